@@ -1,0 +1,26 @@
+"""The agent package's error root. Errors carry data, not only prose."""
+
+from __future__ import annotations
+
+
+class DenpexAgentError(Exception):
+    """Root of every error this package raises on purpose."""
+
+
+class RuleError(DenpexAgentError):
+    """A rule file or a rule in it is invalid."""
+
+    def __init__(self, file: str, rule_id: str | None, reason: str) -> None:
+        self.file = file
+        self.rule_id = rule_id
+        self.reason = reason
+        where = f"{file}: rule {rule_id!r}" if rule_id else file
+        super().__init__(f"{where}: {reason}")
+
+
+class ConfigError(DenpexAgentError):
+    """Configuration is invalid; the message names the key or value."""
+
+
+class LayoutError(DenpexAgentError):
+    """A --layout template cannot be used."""

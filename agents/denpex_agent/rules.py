@@ -1,0 +1,356 @@
+"""Failure-signature rules: the TOML file model, validation and the runtime `Rule`.
+
+A rule file (``rules/<category>.toml``) looks like::
+
+    schema = 1
+    category = "communication"          # default for the rules below
+
+    [[rule]]
+    id = "gloo-connection-closed"
+    title = "gloo: connection closed by peer"
+    severity = "error"                  # info | warning | error | critical
+    role = "collateral"                 # root-cause | symptom | collateral | progress
+    patterns = ['Connection closed by peer \\[']
+    root_cause = "..."
+    fix = "..."
+    verify = "..."
+    references = ["https://..."]
+    examples = ["RuntimeError: [../third_party/gloo/...] Connection closed by peer [127.0.0.1]:5678"]
+    counterexamples = ["Connection closed by peer: retrying (1/3)"]
+
+Patterns are Python regular expressions applied to one line (without its newline), searched
+anywhere in it; ``^``/``$`` are the line's ends. Named groups extract fields; only the names in
+`FIELD_NAMES` are allowed. Everything is checked when the file is loaded: unknown keys, bad
+enum values, regexes that do not compile, unknown group names, dangling `related` ids.
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from denpex_agent.errors import RuleError
+
+SCHEMA = 1
+SEVERITIES = ("info", "warning", "error", "critical")
+ROLES = ("root-cause", "symptom", "collateral", "progress")
+CATEGORIES = (
+    "numerical-instability",
+    "out-of-memory",
+    "hardware",
+    "communication",
+    "hang",
+    "process-killed",
+    "user-code-exception",
+    "dataloader",
+    "checkpoint-io",
+    "configuration",
+)
+PROGRESS_CATEGORY = "progress"
+FOLDS = ("python-traceback", "elastic-failure")
+
+# Named groups a pattern may use. Numbers are parsed by the reader (int or float).
+INT_FIELDS = frozenset({"rank", "local_rank", "culprit_rank", "step", "exitcode", "signal", "pid", "seq"})
+FLOAT_FIELDS = frozenset({"loss", "grad_norm", "scale", "data_time", "step_time"})
+STR_FIELDS = frozenset({"node", "exception", "op"})
+FIELD_NAMES = INT_FIELDS | FLOAT_FIELDS | STR_FIELDS
+
+_ID_RE = re.compile(r"^[a-z0-9][a-z0-9-]{1,63}$")
+_FILE_KEYS = frozenset({"schema", "category", "rule"})
+_RULE_KEYS = frozenset(
+    {
+        "id",
+        "title",
+        "category",
+        "severity",
+        "role",
+        "patterns",
+        "ignore_case",
+        "fingerprint",
+        "fold",
+        "root_cause",
+        "fix",
+        "verify",
+        "related",
+        "references",
+        "examples",
+        "counterexamples",
+    }
+)
+_REQUIRED_TEXT = ("root_cause", "fix", "verify")
+
+
+@dataclass(frozen=True, slots=True)
+class Example:
+    """A line a rule must match, optionally with the fields it must extract."""
+
+    text: str
+    fields: Mapping[str, int | float | str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Rule:
+    """One validated failure signature."""
+
+    id: str
+    title: str
+    category: str
+    severity: str
+    role: str
+    patterns: tuple[str, ...]
+    regexes: tuple[re.Pattern[str], ...]
+    ignore_case: bool
+    fingerprint: str | None
+    fold: str | None
+    root_cause: str
+    fix: str
+    verify: str
+    related: tuple[str, ...]
+    references: tuple[str, ...]
+    examples: tuple[Example, ...]
+    counterexamples: tuple[str, ...]
+    source: str
+
+    def search(self, line: str) -> dict[str, int | float | str] | None:
+        """Match one line; return the extracted fields ({} when none) or None."""
+        for rx in self.regexes:
+            m = rx.search(line)
+            if m is not None:
+                return convert_fields(m.groupdict())
+        return None
+
+    @property
+    def severity_level(self) -> int:
+        return SEVERITIES.index(self.severity)
+
+
+def convert_fields(raw: Mapping[str, str | None]) -> dict[str, int | float | str]:
+    """Turn regex group strings into typed fields; unparsable numbers are left out."""
+    out: dict[str, int | float | str] = {}
+    for name, value in raw.items():
+        if value is None:
+            continue
+        if name in INT_FIELDS:
+            try:
+                out[name] = int(value)
+            except ValueError:
+                continue
+        elif name in FLOAT_FIELDS:
+            try:
+                out[name] = float(value)
+            except ValueError:
+                continue
+        else:
+            out[name] = value
+    return out
+
+
+class RuleSet:
+    """All rules of a library, in load order, with lookup by id."""
+
+    __slots__ = ("_by_id", "files", "rules")
+
+    def __init__(self, rules: tuple[Rule, ...], files: tuple[str, ...]) -> None:
+        self.rules = rules
+        self.files = files
+        self._by_id = {r.id: r for r in rules}
+
+    def get(self, rule_id: str) -> Rule | None:
+        return self._by_id.get(rule_id)
+
+    def __len__(self) -> int:
+        return len(self.rules)
+
+    def __iter__(self) -> Iterator[Rule]:
+        return iter(self.rules)
+
+
+def default_rules_dir() -> Path:
+    """The library shipped with the package (wheel), else the repository's rules/ folder."""
+    here = Path(__file__).resolve().parent
+    packaged = here / "_rules"
+    if packaged.is_dir():
+        return packaged
+    return here.parent.parent / "rules"
+
+
+def load_rules(path: str | Path | None = None) -> RuleSet:
+    """Load and validate every ``*.toml`` under ``path`` (a folder or one file)."""
+    root = Path(path) if path is not None else default_rules_dir()
+    if root.is_dir():
+        files = sorted(root.glob("*.toml"))
+    elif root.is_file():
+        files = [root]
+    else:
+        raise RuleError(str(root), None, "no such rules file or folder")
+    if not files:
+        raise RuleError(str(root), None, "no *.toml rule files found")
+    rules: list[Rule] = []
+    for f in files:
+        rules.extend(_load_file(f))
+    seen: dict[str, str] = {}
+    for r in rules:
+        if r.id in seen:
+            raise RuleError(r.source, r.id, f"duplicate rule id (first defined in {seen[r.id]})")
+        seen[r.id] = r.source
+    for r in rules:
+        for rel in r.related:
+            if rel not in seen:
+                raise RuleError(r.source, r.id, f"related id {rel!r} is not a known rule")
+    return RuleSet(rules=tuple(rules), files=tuple(str(f) for f in files))
+
+
+def _load_file(path: Path) -> list[Rule]:
+    src = str(path)
+    try:
+        with path.open("rb") as fh:
+            doc = tomllib.load(fh)
+    except tomllib.TOMLDecodeError as exc:
+        raise RuleError(src, None, f"invalid TOML: {exc}") from exc
+    except OSError as exc:
+        raise RuleError(src, None, f"cannot read: {exc.strerror}") from exc
+    unknown = set(doc) - _FILE_KEYS
+    if unknown:
+        raise RuleError(src, None, f"unknown top-level key(s): {', '.join(sorted(unknown))}")
+    if doc.get("schema") != SCHEMA:
+        raise RuleError(src, None, f"'schema = {SCHEMA}' is required (found {doc.get('schema')!r})")
+    default_category = doc.get("category")
+    raw_rules = doc.get("rule", [])
+    if not isinstance(raw_rules, list) or not raw_rules:
+        raise RuleError(src, None, "no [[rule]] tables")
+    return [_build_rule(src, raw, default_category) for raw in raw_rules]
+
+
+def _build_rule(src: str, raw: Mapping[str, Any], default_category: Any) -> Rule:
+    rid = raw.get("id")
+    if not isinstance(rid, str) or not _ID_RE.match(rid):
+        raise RuleError(src, str(rid), "id must be 2-64 chars of [a-z0-9-], starting alphanumeric")
+    unknown = set(raw) - _RULE_KEYS
+    if unknown:
+        raise RuleError(src, rid, f"unknown key(s): {', '.join(sorted(unknown))}")
+
+    def text(key: str, required: bool = True) -> str:
+        value = raw.get(key, "")
+        if not isinstance(value, str) or (required and not value.strip()):
+            raise RuleError(src, rid, f"{key!r} must be a non-empty string")
+        return value.strip()
+
+    def strings(key: str) -> tuple[str, ...]:
+        value = raw.get(key, [])
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise RuleError(src, rid, f"{key!r} must be a list of strings")
+        return tuple(value)
+
+    role = text("role")
+    if role not in ROLES:
+        raise RuleError(src, rid, f"role {role!r} is not one of {', '.join(ROLES)}")
+    severity = text("severity")
+    if severity not in SEVERITIES:
+        raise RuleError(src, rid, f"severity {severity!r} is not one of {', '.join(SEVERITIES)}")
+    category = raw.get("category", default_category)
+    allowed = (PROGRESS_CATEGORY,) if role == "progress" else CATEGORIES
+    if category not in allowed:
+        raise RuleError(src, rid, f"category {category!r} is not one of {', '.join(allowed)}")
+    ignore_case = raw.get("ignore_case", False)
+    if not isinstance(ignore_case, bool):
+        raise RuleError(src, rid, "'ignore_case' must be true or false")
+    fingerprint = raw.get("fingerprint")
+    if fingerprint is not None and (not isinstance(fingerprint, str) or not _ID_RE.match(fingerprint)):
+        raise RuleError(src, rid, "'fingerprint' must be a short lowercase name such as \"nan\"")
+    fold = raw.get("fold")
+    if fold is not None and fold not in FOLDS:
+        raise RuleError(src, rid, f"'fold' must be one of {', '.join(FOLDS)}")
+
+    patterns = strings("patterns")
+    if not patterns:
+        raise RuleError(src, rid, "'patterns' must hold at least one regex")
+    regexes = tuple(_compile(src, rid, p, ignore_case) for p in patterns)
+
+    examples = tuple(_example(src, rid, e) for e in raw.get("examples", []))
+    counterexamples = strings("counterexamples")
+    if not examples:
+        raise RuleError(src, rid, "at least one example (real text) is required")
+    needs_text = role != "progress"
+    return Rule(
+        id=rid,
+        title=text("title"),
+        category=str(category),
+        severity=severity,
+        role=role,
+        patterns=patterns,
+        regexes=regexes,
+        ignore_case=ignore_case,
+        fingerprint=fingerprint,
+        fold=fold,
+        root_cause=text("root_cause", needs_text),
+        fix=text("fix", needs_text),
+        verify=text("verify", needs_text),
+        related=strings("related"),
+        references=strings("references"),
+        examples=examples,
+        counterexamples=counterexamples,
+        source=src,
+    )
+
+
+def _compile(src: str, rid: str, pattern: str, ignore_case: bool) -> re.Pattern[str]:
+    try:
+        rx = re.compile(pattern, re.IGNORECASE if ignore_case else 0)
+    except re.error as exc:
+        raise RuleError(src, rid, f"pattern {pattern!r} does not compile: {exc}") from exc
+    bad = set(rx.groupindex) - FIELD_NAMES
+    if bad:
+        raise RuleError(
+            src,
+            rid,
+            f"pattern {pattern!r} uses unknown group name(s) {sorted(bad)}; allowed: {sorted(FIELD_NAMES)}",
+        )
+    if rx.search("") is not None:
+        raise RuleError(src, rid, f"pattern {pattern!r} matches the empty line")
+    return rx
+
+
+def _example(src: str, rid: str, raw: Any) -> Example:
+    if isinstance(raw, str):
+        return Example(text=raw)
+    if isinstance(raw, dict) and set(raw) <= {"text", "fields"} and isinstance(raw.get("text"), str):
+        fields = raw.get("fields", {})
+        if not isinstance(fields, dict):
+            raise RuleError(src, rid, "example 'fields' must be a table")
+        return Example(text=raw["text"], fields=dict(fields))
+    raise RuleError(src, rid, "an example is a string or {text = ..., fields = {...}}")
+
+
+@dataclass(frozen=True, slots=True)
+class SelfTestFailure:
+    source: str
+    rule_id: str
+    reason: str
+
+
+def self_test(rules: Iterable[Rule]) -> list[SelfTestFailure]:
+    """Run every example and counterexample of every rule; return what failed."""
+    failures: list[SelfTestFailure] = []
+    for rule in rules:
+        for ex in rule.examples:
+            got = rule.search(ex.text)
+            if got is None:
+                failures.append(SelfTestFailure(rule.source, rule.id, f"example does not match: {ex.text!r}"))
+                continue
+            for key, want in ex.fields.items():
+                if got.get(key) != want:
+                    failures.append(
+                        SelfTestFailure(
+                            rule.source,
+                            rule.id,
+                            f"example {ex.text!r}: field {key}={got.get(key)!r}, expected {want!r}",
+                        )
+                    )
+        for cx in rule.counterexamples:
+            if rule.search(cx) is not None:
+                failures.append(SelfTestFailure(rule.source, rule.id, f"counterexample matches: {cx!r}"))
+    return failures

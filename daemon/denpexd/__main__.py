@@ -1,0 +1,3 @@
+from denpexd.cli import main
+
+raise SystemExit(main())

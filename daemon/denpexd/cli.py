@@ -1,0 +1,111 @@
+"""`denpexd` command line: parses arguments, maps errors to exit codes. Nothing below calls sys.exit."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+from denpexd import __version__
+
+EXIT_OK = 0
+EXIT_FAILURE = 1
+EXIT_USAGE = 2
+
+_DESCRIPTION = """\
+Denpex names the rank that broke a distributed training job first, why, what to do,
+and which of the other errors are only collateral.
+
+  denpexd diagnose LOGDIR              post-mortem diagnosis of a directory of rank logs
+  denpexd diagnose LOGDIR --format json
+  denpexd rules test                   self-test the signature library
+"""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises instead of exiting, so main() owns the exit code."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise _UsageError(f"{self.prog}: error: {message}")
+
+
+class _UsageError(Exception):
+    pass
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="denpexd", description=_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--version", action="version", version=f"denpexd {__version__}")
+    p.add_argument("-v", "--verbose", action="store_true", help="log reader warnings and progress at DEBUG level")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+
+    d = sub.add_parser(
+        "diagnose",
+        help="diagnose a finished (or dead) job from its log files",
+        description=(
+            "Read every log file under PATH (recursively: *.log *.txt *.out *.err, stdout/stderr files, "
+            "rotated .1 .2 files), attribute node and rank, match the rule library, align node clocks "
+            "from step lines, and name the initiating rank, the root cause, the fix and the collateral."
+        ),
+    )
+    d.add_argument("paths", nargs="+", metavar="PATH", help="log directories or files of one job")
+    d.add_argument("--job", help="job id to report (default: the name of the first PATH)")
+    d.add_argument("--format", choices=("text", "json"), default="text", help="output format (default: text)")
+    d.add_argument("--rules", metavar="DIR", help="rule library folder or file (default: the bundled library)")
+    d.add_argument(
+        "--layout",
+        metavar="TEMPLATE",
+        help="path template relative to PATH naming node and rank, e.g. '{node}/rank{rank}.log' "
+        "(fields: {node} {rank} {local_rank} {any}); default: built-in layouts",
+    )
+    d.add_argument(
+        "--context-lines", type=int, default=100, metavar="N", help="lines kept before the first failure (default 100)"
+    )
+    d.add_argument("--progress", choices=("auto", "always", "never"), default="auto", help="progress bar on stderr")
+
+    r = sub.add_parser("rules", help="inspect or self-test the signature library")
+    rsub = r.add_subparsers(dest="rules_command", metavar="ACTION", parser_class=_Parser)
+    for name, text in (("test", "run every example and counterexample"), ("list", "list the rules")):
+        rp = rsub.add_parser(name, help=text, description=text)
+        rp.add_argument("--rules", metavar="DIR", help="rule library folder or file (default: the bundled library)")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except _UsageError as exc:
+        print(exc, file=sys.stderr)
+        return EXIT_USAGE
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    if args.command is None:
+        parser.print_help()
+        return EXIT_USAGE
+    try:
+        if args.command == "rules":
+            from denpexd import rulescmd
+
+            if args.rules_command == "test":
+                return rulescmd.run_test(args.rules)
+            if args.rules_command == "list":
+                return rulescmd.run_list(args.rules)
+            print("denpexd rules: choose an action: test or list", file=sys.stderr)
+            return EXIT_USAGE
+        if args.command == "diagnose":
+            from denpexd import diagnosecmd
+
+            return diagnosecmd.run(args)
+    except KeyboardInterrupt:
+        print("denpexd: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:  # the last line of defence: a clear message, exit 1
+        logging.getLogger("denpexd").debug("internal failure", exc_info=True)
+        print(f"denpexd: internal error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return EXIT_FAILURE
+    return EXIT_USAGE
