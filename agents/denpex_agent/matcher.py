@@ -1,0 +1,205 @@
+"""Rules compiled for speed: one multi-pattern scan per chunk, per-line verification.
+
+Stage 1 scans a whole chunk (about 1 MiB) at once with one hyperscan database holding every
+pattern of every rule, and reports the end offsets of candidate matches. Stage 2 decodes only the
+lines that hold a candidate and runs the rule's Python regex on them, which is exact (named
+groups, look-arounds) and rejects hyperscan's approximations (patterns compiled in prefilter mode,
+``\\s`` spanning a newline). Benign lines are never split, decoded or touched by Python.
+
+Without the hyperscan module (an unusual platform) the same API runs every pattern with ``re``
+over the chunk: correct, much slower, and announced once with a warning.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from denpex_agent.rules import ROLES, Rule, RuleSet
+
+log = logging.getLogger(__name__)
+
+try:
+    import hyperscan as _hs
+except ImportError:  # pragma: no cover - exercised only where the wheel is missing
+    _hs = None
+
+_NAMED_GROUP = re.compile(r"\(\?P<[A-Za-z_][A-Za-z0-9_]*>")
+_ROLE_ORDER = {role: i for i, role in enumerate(ROLES)}
+
+
+@dataclass(frozen=True, slots=True)
+class Hit:
+    """A verified match: the line's span in the buffer, its text, the rule and its fields."""
+
+    start: int
+    end: int
+    line: str
+    rule: Rule
+    fields: dict[str, Any]
+
+
+def _preference(rule: Rule) -> tuple[int, int]:
+    """Lower sorts first: higher severity, then root-cause before symptom before collateral."""
+    return (-rule.severity_level, _ROLE_ORDER[rule.role])
+
+
+class _Database:
+    """One multi-pattern scanner over a list of (rule index, pattern, ignore_case)."""
+
+    def __init__(self, entries: Sequence[tuple[int, str, bool]]) -> None:
+        self._owner: list[int] = []
+        self._slow: list[tuple[int, re.Pattern[bytes]]] = []
+        self._db: Any = None
+        expressions: list[bytes] = []
+        flags: list[int] = []
+        for rule_idx, pattern, ignore_case in entries:
+            if _hs is None:
+                self._slow.append((rule_idx, _bytes_regex(pattern, ignore_case)))
+                continue
+            expr = _NAMED_GROUP.sub("(?:", pattern).encode()
+            base = _hs.HS_FLAG_MULTILINE | (_hs.HS_FLAG_CASELESS if ignore_case else 0)
+            chosen = None
+            for extra in (0, _hs.HS_FLAG_PREFILTER):
+                try:
+                    probe = _hs.Database()
+                    probe.compile(expressions=[expr], ids=[0], elements=1, flags=[base | extra])
+                except Exception:
+                    continue
+                chosen = base | extra
+                break
+            if chosen is None:
+                log.warning("pattern runs without hyperscan (slower) pattern=%s", pattern)
+                self._slow.append((rule_idx, _bytes_regex(pattern, ignore_case)))
+                continue
+            expressions.append(expr)
+            flags.append(chosen)
+            self._owner.append(rule_idx)
+        if expressions and _hs is not None:
+            self._db = _hs.Database()
+            self._db.compile(
+                expressions=expressions,
+                ids=list(range(len(expressions))),
+                elements=len(expressions),
+                flags=flags,
+            )
+
+    def scan(self, data: bytes, on_hit: Callable[[int, int], bool | None]) -> None:
+        """Call ``on_hit(rule_index, end_offset)`` for candidate matches; a true return stops."""
+        if self._db is not None:
+            owner = self._owner
+
+            def cb(pid: int, _from: int, to: int, _flags: int, _ctx: Any) -> bool | None:
+                return on_hit(owner[pid], to)
+
+            self._db.scan(data, match_event_handler=cb)
+        for rule_idx, rx in self._slow:
+            for m in rx.finditer(data):
+                if on_hit(rule_idx, max(m.end(), m.start() + 1)):
+                    return
+
+
+def _bytes_regex(pattern: str, ignore_case: bool) -> re.Pattern[bytes]:
+    return re.compile(pattern.encode(), re.MULTILINE | (re.IGNORECASE if ignore_case else 0))
+
+
+def line_bounds(buf: bytes, pos: int, limit: int) -> tuple[int, int]:
+    """Start and end (exclusive, without the newline) of the line holding byte ``pos``."""
+    start = buf.rfind(b"\n", 0, pos) + 1
+    end = buf.find(b"\n", pos, limit)
+    return start, (limit if end < 0 else end)
+
+
+class Matcher:
+    """The compiled form of a `RuleSet`: failure rules and progress rules, scanned separately."""
+
+    def __init__(self, rules: RuleSet, max_line_chars: int = 65536) -> None:
+        self.ruleset = rules
+        self.rules: list[Rule] = [r for r in rules if r.role != "progress"]
+        self.progress_rules: list[Rule] = [r for r in rules if r.role == "progress"]
+        self.max_line_chars = max_line_chars
+        self._order = {r.id: i for i, r in enumerate(self.rules)}
+        self._db = _Database([(i, p, r.ignore_case) for i, r in enumerate(self.rules) for p in r.patterns])
+        self._progress_db = _Database(
+            [(i, p, r.ignore_case) for i, r in enumerate(self.progress_rules) for p in r.patterns]
+        )
+        if _hs is None:
+            log.warning("hyperscan is not installed; matching falls back to Python re (much slower)")
+
+    @property
+    def accelerated(self) -> bool:
+        return _hs is not None
+
+    def _decode(self, buf: bytes, start: int, end: int) -> str:
+        if end - start > self.max_line_chars:
+            end = start + self.max_line_chars
+        return buf[start:end].decode("utf-8", "replace")
+
+    def scan(self, buf: bytes, limit: int | None = None) -> list[Hit]:
+        """Verified failure-rule hits in ``buf[:limit]``, one per line, in buffer order."""
+        limit = len(buf) if limit is None else limit
+        data = buf if limit == len(buf) else buf[:limit]
+        raw: list[tuple[int, int]] = []
+        self._db.scan(data, lambda idx, to: raw.append((to, idx)) and None)
+        if not raw:
+            return []
+        raw.sort()
+        hits: list[Hit] = []
+        i = 0
+        n = len(raw)
+        while i < n:
+            to = raw[i][0]
+            # a match ending exactly at a newline still belongs to the line before it
+            start, end = line_bounds(data, max(to - 1, 0), limit)
+            candidates: set[int] = set()
+            while i < n and raw[i][0] <= end:
+                candidates.add(raw[i][1])
+                i += 1
+            hit = self.classify_line(data, start, end, candidates)
+            if hit is not None:
+                hits.append(hit)
+        return hits
+
+    def classify_line(self, buf: bytes, start: int, end: int, candidates: set[int] | None = None) -> Hit | None:
+        """Verify a line against candidate rules (all rules when None) and pick the best."""
+        line = self._decode(buf, start, end)
+        pool = self.rules if candidates is None else [self.rules[c] for c in candidates]
+        best: tuple[tuple[int, int, int], Rule, dict[str, Any]] | None = None
+        for rule in pool:
+            fields = rule.search(line)
+            if fields is None:
+                continue
+            key = (*_preference(rule), self._order[rule.id])
+            if best is None or key < best[0]:
+                best = (key, rule, fields)
+        if best is None:
+            return None
+        return Hit(start=start, end=end, line=line, rule=best[1], fields=best[2])
+
+    def progress(self, buf: bytes, start: int, stop: int, first_only: bool) -> list[Hit]:
+        """Verified progress lines whose match ends in ``buf[start:stop]`` (one if first_only)."""
+        if not self.progress_rules:
+            return []
+        data = buf[start:stop]
+        found: list[Hit] = []
+        last_line_end = -1
+
+        def on_hit(idx: int, to: int) -> bool | None:
+            nonlocal last_line_end
+            if to <= last_line_end:
+                return None
+            ls, le = line_bounds(data, max(to - 1, 0), len(data))
+            last_line_end = le
+            line = self._decode(data, ls, le)
+            rule = self.progress_rules[idx]
+            fields = rule.search(line)
+            if fields is None or "step" not in fields:
+                return None
+            found.append(Hit(start=start + ls, end=start + le, line=line, rule=rule, fields=fields))
+            return True if first_only else None
+
+        self._progress_db.scan(data, on_hit)
+        return found

@@ -1,0 +1,215 @@
+"""Post-mortem reading: find a job's log files, attribute them, scan them into events.
+
+`discover()` walks the paths the user gave; `read_files()` streams every file through a
+`LineScanner` in 1 MiB chunks and yields events. Memory stays bounded by the chunk, the context
+window and the events themselves, never by the size of a file. Nothing that goes wrong with one
+file (unreadable, vanished, binary, a directory where a file was) stops the others: it becomes a
+warning that names the file, and is counted.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import stat
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from denpex_agent.attribution import Attribution, Layout, attribute_path, dominant_rank
+from denpex_agent.events import Event, file_identity
+from denpex_agent.matcher import Matcher
+from denpex_agent.scanner import LineScanner, Source
+
+log = logging.getLogger(__name__)
+
+CHUNK = 1 << 20
+HEAD_SAMPLE = 64 * 1024
+SMALL_FILE = 4 << 20  # below this every step line is a progress sample
+PROGRESS_STRIDE = 64 * 1024
+
+_LOG_NAME = re.compile(r"(?i)(?:\.(?:log|txt|out|err)|^(?:stdout|stderr))(?:\.\d+)?$")
+_ROTATED = re.compile(r"^(?P<base>.+?)\.(?P<n>\d+)$")
+
+
+@dataclass(frozen=True, slots=True)
+class LogFile:
+    path: Path
+    rel: str
+    who: Attribution
+    size: int
+    mtime: float
+    identity: str
+
+
+@dataclass(slots=True)
+class ReadReport:
+    """What reading found besides events: counts and warnings, each naming its file."""
+
+    files: int = 0
+    bytes: int = 0
+    lines: int = 0
+    events: int = 0
+    progress: int = 0
+    truncated_lines: int = 0
+    warnings: list[str] = field(default_factory=list)
+
+    def warn(self, message: str) -> None:
+        self.warnings.append(message)
+        log.warning("%s", message)
+
+
+def is_log_name(name: str) -> bool:
+    return bool(_LOG_NAME.search(name))
+
+
+def _rotation_key(rel: str) -> tuple[str, int]:
+    """``rank3.log.2`` sorts before ``rank3.log.1`` before ``rank3.log`` (oldest first)."""
+    m = _ROTATED.match(rel)
+    if m and is_log_name(m.group("base").rsplit("/", 1)[-1]):
+        return m.group("base"), -int(m.group("n"))
+    return rel, 0
+
+
+def discover(paths: Iterable[str | os.PathLike[str]], layout: Layout | None, report: ReadReport) -> list[LogFile]:
+    """Every log file under ``paths`` with its node/rank attribution, oldest rotation first."""
+    found: list[LogFile] = []
+    for given in paths:
+        root = Path(given)
+        try:
+            st = root.stat()
+        except OSError as exc:
+            report.warn(f"{root}: cannot read: {exc.strerror or exc}")
+            continue
+        if stat.S_ISDIR(st.st_mode):
+            candidates: list[tuple[Path, str]] = []
+            for dirpath, dirnames, filenames in os.walk(root, onerror=lambda e: report.warn(f"{e.filename}: cannot list: {e.strerror}")):
+                dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+                for name in sorted(filenames):
+                    if is_log_name(name):
+                        p = Path(dirpath) / name
+                        candidates.append((p, p.relative_to(root).as_posix()))
+            if not candidates:
+                report.warn(f"{root}: no log files (*.log *.txt *.out *.err stdout stderr) found")
+        else:
+            candidates = [(root, root.name)]
+        for path, rel in sorted(candidates, key=lambda pr: _rotation_key(pr[1])):
+            lf = _describe(path, rel, layout, report)
+            if lf is not None:
+                found.append(lf)
+    return _share_ranks(found)
+
+
+def _share_ranks(files: list[LogFile]) -> list[LogFile]:
+    """torchrun writes stdout.log and stderr.log per local rank; when only one of them names the
+    global rank (step lines usually go to one stream), the other one belongs to the same rank."""
+    by_dir: dict[Path, set[int]] = {}
+    for lf in files:
+        if lf.who.rank is not None and lf.who.local_rank is not None:
+            by_dir.setdefault(lf.path.parent, set()).add(lf.who.rank)
+    out = []
+    for lf in files:
+        ranks = by_dir.get(lf.path.parent, set())
+        if lf.who.rank is None and lf.who.local_rank is not None and len(ranks) == 1:
+            who = Attribution(node=lf.who.node, rank=next(iter(ranks)), local_rank=lf.who.local_rank)
+            lf = LogFile(path=lf.path, rel=lf.rel, who=who, size=lf.size, mtime=lf.mtime, identity=lf.identity)
+        out.append(lf)
+    return out
+
+
+def _describe(path: Path, rel: str, layout: Layout | None, report: ReadReport) -> LogFile | None:
+    try:
+        st = path.stat()
+        if not stat.S_ISREG(st.st_mode):
+            report.warn(f"{path}: not a regular file; skipped")
+            return None
+        with path.open("rb") as fh:
+            head = fh.read(HEAD_SAMPLE)
+    except OSError as exc:
+        report.warn(f"{path}: cannot read: {exc.strerror or exc}")
+        return None
+    who = layout.match(rel) if layout is not None else None
+    if layout is not None and who is None:
+        report.warn(f"{path}: does not match --layout {layout.template!r}; using the built-in layouts")
+    if who is None:
+        who = attribute_path(rel)
+    if who.rank is None:
+        rank = dominant_rank(head)
+        if rank is not None:
+            who = Attribution(node=who.node, rank=rank, local_rank=who.local_rank)
+    if b"\x00" in head:
+        report.warn(f"{path}: holds binary data (NUL bytes); read as text")
+    else:
+        try:
+            head.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            if exc.start < len(head) - 4:  # not merely a character cut at the sample's end
+                report.warn(f"{path}: not valid UTF-8 (first bad byte at offset {exc.start}); read with replacement")
+    return LogFile(
+        path=path,
+        rel=rel,
+        who=who,
+        size=st.st_size,
+        mtime=st.st_mtime,
+        identity=file_identity(st.st_dev, st.st_ino, head[:1024]),
+    )
+
+
+def scanner_for(
+    lf: LogFile, matcher: Matcher, job: str, agent: str, context_lines: int, progress_stride: int | None = None
+) -> LineScanner:
+    year = time.gmtime(lf.mtime).tm_year
+    source = Source(
+        job=job,
+        agent=agent,
+        node=lf.who.node,
+        rank=lf.who.rank,
+        local_rank=lf.who.local_rank,
+        file=str(lf.path),
+        identity=lf.identity,
+        default_year=year,
+        ref_epoch=lf.mtime,
+    )
+    if progress_stride is None:
+        progress_stride = 0 if lf.size <= SMALL_FILE else PROGRESS_STRIDE
+    return LineScanner(matcher, source, context_lines=context_lines, progress_stride=progress_stride)
+
+
+def read_files(
+    files: Iterable[LogFile],
+    matcher: Matcher,
+    job: str,
+    report: ReadReport,
+    *,
+    agent: str = "diagnose",
+    context_lines: int = 100,
+    on_bytes: Callable[[int], None] | None = None,
+) -> Iterator[Event]:
+    """Stream events out of every file; a failing file is a warning, never the end of the read."""
+    for lf in files:
+        scanner = scanner_for(lf, matcher, job, agent, context_lines)
+        report.files += 1
+        try:
+            with lf.path.open("rb") as fh:
+                while True:
+                    chunk = fh.read(CHUNK)
+                    if not chunk:
+                        break
+                    if on_bytes is not None:
+                        on_bytes(len(chunk))
+                    yield from scanner.feed(chunk)
+        except OSError as exc:
+            report.warn(f"{lf.path}: read failed at offset {scanner.offset}: {exc.strerror or exc}")
+        yield from scanner.finish()
+        st = scanner.stats
+        report.bytes += st.bytes
+        report.lines += st.lines
+        report.events += st.events
+        report.progress += st.progress
+        report.truncated_lines += st.truncated_lines
+        for w in st.warnings:
+            report.warn(w)
+        if st.replaced_chars:
+            report.warn(f"{lf.path}: {st.replaced_chars} undecodable byte(s) in matched lines replaced")

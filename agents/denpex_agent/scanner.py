@@ -1,0 +1,493 @@
+"""Incremental scanner: bytes of one log file in, events out.
+
+Both the post-mortem reader and the live tailer feed a file's bytes through one `LineScanner`,
+chunk by chunk, so matching, folding, timestamps, attribution and masking exist once.
+
+Per chunk: one multi-pattern scan over the complete lines (`Matcher.scan`), then work only on
+the lines that matched; progress (step) lines are sampled every `progress_stride` bytes, plus
+the file's last one at `finish()`. A Python traceback is folded into one event classified by its
+final exception line; torchrun's ChildFailedError block is folded and its root-cause entry read.
+A fold that is still open at the end of a chunk is carried into the next one.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from denpex_agent.attribution import has_prefix, line_rank, strip_prefix
+from denpex_agent.events import Event, event_id
+from denpex_agent.masking import mask
+from denpex_agent.matcher import Hit, Matcher, line_bounds
+from denpex_agent.timestamps import parse_timestamp
+
+TAIL_BYTES = 128 * 1024
+MAX_CONTEXT_LINE = 1000
+MAX_EVENT_TEXT = 16 * 1024
+MAX_FOLD_LINES = 400
+MAX_CARRY = 512 * 1024
+TS_LOOKBACK_LINES = 64
+
+_CHAIN = ("During handling of the above exception", "The above exception was the direct cause")
+_EL_RANK = re.compile(r"^\s*rank\s*:\s*(?P<rank>\d+)\s*\(local_rank:\s*(?P<local>\d+)\)")
+_EL_EXIT = re.compile(r"^\s*exitcode\s*:\s*(?P<code>-?\d+)")
+_EL_SIGNAL = re.compile(r"Signal\s+(?P<sig>\d+)\s+\((?P<name>SIG[A-Z0-9]+)\)")
+_EL_HOST = re.compile(r"^\s*host\s*:\s*(?P<host>\S+)")
+
+
+@dataclass(slots=True)
+class ScanStats:
+    bytes: int = 0
+    lines: int = 0
+    events: int = 0
+    progress: int = 0
+    truncated_lines: int = 0
+    replaced_chars: int = 0
+    warnings: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class Source:
+    """Where the bytes come from and who wrote them (from the path)."""
+
+    job: str
+    agent: str
+    node: str
+    rank: int | None
+    local_rank: int | None
+    file: str
+    identity: str
+    default_year: int
+    ref_epoch: float | None = None
+
+
+class LineScanner:
+    """Turns a file's bytes, fed in order, into match and progress events."""
+
+    def __init__(
+        self,
+        matcher: Matcher,
+        source: Source,
+        *,
+        start_offset: int = 0,
+        start_line: int = 1,
+        context_lines: int = 100,
+        progress_stride: int = 0,
+        progress_window: int = 4096,
+        max_line_bytes: int = 1 << 20,
+    ) -> None:
+        self.matcher = matcher
+        self.source = source
+        self.context_lines = context_lines
+        self.progress_stride = progress_stride
+        self.progress_window = progress_window
+        self.max_line_bytes = max_line_bytes
+        self.stats = ScanStats()
+        self._buf = b""
+        self._base = start_offset  # file offset of self._buf[0]
+        self._line_no = start_line  # line number of self._buf[0]
+        self._tail = b""  # processed bytes just before self._buf, for context
+        self._last_ts: float | None = None
+        self._skip_long = False
+        self._next_progress = start_offset
+        self._last_progress_offset = -1
+
+    @property
+    def offset(self) -> int:
+        """File offset up to which every byte has been turned into events."""
+        return self._base
+
+    @property
+    def line_no(self) -> int:
+        return self._line_no
+
+    @property
+    def pending(self) -> int:
+        """Bytes held back (an unfinished line or an open traceback)."""
+        return len(self._buf)
+
+    def feed(self, data: bytes) -> list[Event]:
+        self.stats.bytes += len(data)
+        buf = self._buf + data if self._buf else data
+        if self._skip_long:
+            nl = buf.find(b"\n")
+            if nl < 0:
+                self._base += len(buf)
+                self._buf = b""
+                return []
+            self._base += nl + 1
+            buf = buf[nl + 1 :]
+            self._skip_long = False
+        cut = buf.rfind(b"\n") + 1
+        if cut == 0:
+            if len(buf) > self.max_line_bytes:
+                return self._truncate_long(buf)
+            self._buf = buf
+            return []
+        events, consumed = self._process(buf, cut, final=False)
+        rest = buf[consumed:]
+        if len(rest) > MAX_CARRY and consumed < cut:  # a fold that never closes: give up on it
+            events2, consumed2 = self._process(rest, rest.rfind(b"\n") + 1, final=True)
+            events.extend(events2)
+            rest = rest[consumed2:]
+        self._buf = rest
+        return events
+
+    def finish(self) -> list[Event]:
+        """End of input: process what is held back, then the file's last progress line."""
+        buf = self._buf
+        if buf and not buf.endswith(b"\n"):
+            buf += b"\n"
+        events: list[Event] = []
+        if buf:
+            got, _ = self._process(buf, len(buf), final=True)
+            events.extend(got)
+            self._buf = b""
+        events.extend(self._final_progress())
+        return events
+
+    # ----------------------------------------------------------------------------------------
+
+    def _truncate_long(self, buf: bytes) -> list[Event]:
+        self.stats.truncated_lines += 1
+        if self.stats.truncated_lines == 1:
+            self.stats.warnings.append(
+                f"{self.source.file}: line at offset {self._base} longer than {self.max_line_bytes} bytes; "
+                "matched on its first bytes, the rest skipped"
+            )
+        head = buf[: self.max_line_bytes] + b"\n"
+        events, _ = self._process(head, len(head), final=True)
+        self._base += len(buf) - len(head)  # _process advanced by len(head); account for the rest
+        self._buf = b""
+        self._skip_long = True
+        return events
+
+    def _process(self, buf: bytes, cut: int, final: bool) -> tuple[list[Event], int]:
+        hits = self.matcher.scan(buf, cut)
+        events: list[Event] = []
+        consumed = cut
+        absorbed_until = -1
+        counter = _LineCounter(buf, self._line_no)
+        for idx, hit in enumerate(hits):
+            if hit.start < absorbed_until:
+                continue
+            fields: dict[str, Any] = dict(hit.fields)
+            rule = hit.rule
+            block_end = hit.end
+            if rule.fold == "python-traceback":
+                folded = self._fold_traceback(buf, hit, hits[idx + 1 :], cut, final)
+                if folded is None:
+                    consumed = hit.start
+                    break
+                block_end, best, exc_text = folded
+                if best is not None:
+                    rule, fields = best.rule, dict(best.fields)
+                elif exc_text:
+                    fields["exception"] = exc_text[:300]
+            if rule.fold == "elastic-failure":
+                efold = self._fold_elastic(buf, block_end, cut, final)
+                if efold is None:
+                    consumed = hit.start
+                    break
+                block_end, extra = efold
+                fields.update(extra)
+            absorbed_until = block_end
+            events.append(self._event(buf, hit, rule, fields, block_end, counter))
+        if consumed > 0:
+            events.extend(self._sample_progress(buf, consumed, counter))
+            self._advance(buf, consumed)
+        self.stats.events += sum(1 for e in events if e.kind == "match")
+        return events, consumed
+
+    def _advance(self, buf: bytes, consumed: int) -> None:
+        done = buf[:consumed]
+        n = done.count(b"\n")
+        self.stats.lines += n
+        self._line_no += n
+        tail = self._tail + done if len(done) < TAIL_BYTES else done
+        if len(tail) > TAIL_BYTES:
+            tail = tail[-TAIL_BYTES:]
+            nl = tail.find(b"\n")
+            tail = tail[nl + 1 :] if nl >= 0 else b""
+        self._tail = tail
+        ts = self._scan_back_ts(done, len(done))
+        if ts is not None:
+            self._last_ts = ts
+        self._base += consumed
+
+    # -- folds --------------------------------------------------------------------------------
+
+    def _lines_from(self, buf: bytes, pos: int, cut: int) -> Any:
+        count = 0
+        while pos < cut and count < MAX_FOLD_LINES:
+            end = buf.find(b"\n", pos, cut)
+            if end < 0:
+                end = cut
+            yield pos, end, strip_prefix(buf[pos : min(end, pos + MAX_CONTEXT_LINE)].decode("utf-8", "replace"))
+            pos = end + 1
+            count += 1
+
+    def _fold_traceback(
+        self, buf: bytes, header: Hit, later: list[Hit], cut: int, final: bool
+    ) -> tuple[int, Hit | None, str] | None:
+        """(end of block, best hit inside it, exception line) or None when the block is cut off."""
+        exc_end = -1
+        exc_text = ""
+        state = "frames"
+        block_end = -1
+        blanks = 0
+        for start, end, text in self._lines_from(buf, header.end + 1, cut):
+            if state == "frames":
+                if not text.strip() or text[0] in " \t" or text.startswith("Traceback (most recent call last)"):
+                    continue
+                exc_end, exc_text, state = end, text.strip(), "after"
+                continue
+            # after an exception line: a chained traceback continues the block, anything else ends it
+            if not text.strip():
+                blanks += 1
+                if blanks <= 2:
+                    continue
+            if text.startswith(_CHAIN):
+                state, blanks = "frames", 0
+                continue
+            block_end = exc_end
+            break
+        else:
+            if final or (exc_end >= 0 and cut - header.start > MAX_CARRY):
+                block_end = exc_end if exc_end >= 0 else header.end
+            elif exc_end >= 0 and self._line_count(buf, header.end, cut) >= MAX_FOLD_LINES:
+                block_end = exc_end
+            else:
+                return None
+        if block_end < 0:
+            block_end = header.end
+        inside = [h for h in later if h.start <= block_end]
+        best = min(inside, key=lambda h: (-h.rule.severity_level, _role_rank(h.rule.role)), default=None)
+        return block_end, best, exc_text
+
+    def _line_count(self, buf: bytes, start: int, end: int) -> int:
+        return buf.count(b"\n", start, end)
+
+    def _fold_elastic(self, buf: bytes, pos: int, cut: int, final: bool) -> tuple[int, dict[str, Any]] | None:
+        """Read torchrun's failure summary after a ChildFailedError line."""
+        fields: dict[str, Any] = {}
+        in_root = False
+        seen_rule = 0
+        block_end = pos
+        closed = False
+        for _start, end, text in self._lines_from(buf, pos + 1, cut):
+            stripped = text.strip()
+            if stripped.startswith("=" * 10):
+                seen_rule += 1
+                block_end = end
+                if seen_rule >= 2:
+                    closed = True
+                    break
+                continue
+            if seen_rule == 0 and stripped:  # the block starts with a ==== line; anything else ends it
+                closed = True
+                break
+            block_end = end
+            if stripped.startswith("Root Cause"):
+                in_root = True
+                continue
+            if not in_root:
+                continue
+            m = _EL_RANK.match(text)
+            if m and "culprit_rank" not in fields:
+                fields["culprit_rank"] = int(m.group("rank"))
+                fields["culprit_local_rank"] = int(m.group("local"))
+            m = _EL_EXIT.match(text)
+            if m and "exitcode" not in fields:
+                fields["exitcode"] = int(m.group("code"))
+            m = _EL_HOST.match(text)
+            if m and "host" not in fields:
+                fields["host"] = m.group("host")
+            m2 = _EL_SIGNAL.search(text)
+            if m2 and "signal" not in fields:
+                fields["signal"] = int(m2.group("sig"))
+        else:
+            closed = final
+        if not closed:
+            return None
+        return block_end, fields
+
+    # -- events -------------------------------------------------------------------------------
+
+    def _event(
+        self, buf: bytes, hit: Hit, rule: Any, fields: dict[str, Any], block_end: int, counter: _LineCounter
+    ) -> Event:
+        src = self.source
+        line = hit.line
+        prefix_rank, prefix_local = line_rank(line)
+        rank = _pick_rank(line, prefix_rank, src.rank)
+        if rank is None and isinstance(fields.get("rank"), int):
+            rank = fields["rank"]
+        local_rank = prefix_local if prefix_local is not None else src.local_rank
+        ts, ts_source = self._timestamp(buf, hit.start, line)
+        if block_end > hit.end:
+            text = buf[hit.start : block_end].decode("utf-8", "replace")
+            if len(text) > MAX_EVENT_TEXT:
+                text = text[: MAX_EVENT_TEXT // 4] + "\n[...]\n" + text[-MAX_EVENT_TEXT // 2 :]
+        else:
+            text = line
+        self.stats.replaced_chars += text.count("\ufffd")
+        offset = self._base + hit.start
+        return Event(
+            id=event_id(src.agent, src.identity, offset),
+            kind="match",
+            job=src.job,
+            node=src.node,
+            rank=rank,
+            local_rank=local_rank,
+            file=src.file,
+            offset=offset,
+            line_no=counter.line_at(hit.start),
+            ts=ts,
+            ts_source=ts_source,
+            rule=rule.id,
+            severity=rule.severity,
+            role=rule.role,
+            category=rule.category,
+            text=mask(text),
+            context=self._context(buf, hit.start),
+            fields=fields,
+        )
+
+    def _timestamp(self, buf: bytes, start: int, line: str) -> tuple[float | None, str]:
+        ts = parse_timestamp(line, self.source.default_year, self.source.ref_epoch)
+        if ts is not None:
+            return ts, "line"
+        ts = self._scan_back_ts(buf, start)
+        if ts is None:
+            ts = self._last_ts
+        return (ts, "inherited") if ts is not None else (None, "none")
+
+    def _scan_back_ts(self, buf: bytes, pos: int) -> float | None:
+        end = pos
+        for _ in range(TS_LOOKBACK_LINES):
+            if end <= 0:
+                return None
+            start = buf.rfind(b"\n", 0, end - 1) + 1
+            seg = buf[start : min(end, start + 200)].decode("utf-8", "replace")
+            ts = parse_timestamp(seg, self.source.default_year, self.source.ref_epoch)
+            if ts is not None:
+                return ts
+            end = start
+        return None
+
+    def _context(self, buf: bytes, pos: int) -> list[str]:
+        want = self.context_lines
+        if want <= 0:
+            return []
+        out: list[str] = []
+        end = pos - 1  # the newline ending the previous line
+        src = buf
+        used_tail = False
+        while len(out) < want:
+            if end < 0:
+                if used_tail or not self._tail:
+                    break
+                src, end, used_tail = self._tail, len(self._tail) - 1, True
+                continue
+            start = src.rfind(b"\n", 0, end) + 1
+            out.append(mask(src[start : min(end, start + MAX_CONTEXT_LINE)].decode("utf-8", "replace")))
+            end = start - 1
+        out.reverse()
+        return out
+
+    # -- progress -----------------------------------------------------------------------------
+
+    def _sample_progress(self, buf: bytes, consumed: int, counter: _LineCounter) -> list[Event]:
+        hits: list[Hit] = []
+        if self.progress_stride <= 0:
+            hits = self.matcher.progress(buf, 0, consumed, first_only=False)
+        else:
+            while self._next_progress < self._base + consumed:
+                local = max(self._next_progress - self._base, 0)
+                if local > 0:
+                    local = buf.rfind(b"\n", 0, local) + 1
+                got = self.matcher.progress(buf, local, min(local + self.progress_window, consumed), first_only=True)
+                hits.extend(got)
+                self._next_progress += self.progress_stride
+        return [self._progress_event(buf, h, counter) for h in hits]
+
+    def _final_progress(self) -> list[Event]:
+        tail = self._tail
+        if not tail:
+            return []
+        hits = self.matcher.progress(tail, 0, len(tail), first_only=False)
+        if not hits:
+            return []
+        last = hits[-1]
+        offset = self._base - len(tail) + last.start
+        if offset == self._last_progress_offset:
+            return []
+        line_no = self._line_no - tail.count(b"\n", last.start)
+        ev = self._make_progress(last, offset, line_no, tail)
+        ev.fields["last"] = True
+        return [ev]
+
+    def _progress_event(self, buf: bytes, hit: Hit, counter: _LineCounter) -> Event:
+        return self._make_progress(hit, self._base + hit.start, counter.line_at(hit.start), buf)
+
+    def _make_progress(self, hit: Hit, offset: int, line_no: int, buf: bytes) -> Event:
+        src = self.source
+        self._last_progress_offset = offset
+        self.stats.progress += 1
+        prefix_rank, prefix_local = line_rank(hit.line)
+        rank = _pick_rank(hit.line, prefix_rank, src.rank)
+        ts, ts_source = self._timestamp(buf, hit.start, hit.line)
+        return Event(
+            id=event_id(src.agent, src.identity, offset, "progress"),
+            kind="progress",
+            job=src.job,
+            node=src.node,
+            rank=rank,
+            local_rank=prefix_local if prefix_local is not None else src.local_rank,
+            file=src.file,
+            offset=offset,
+            line_no=line_no,
+            ts=ts,
+            ts_source=ts_source,
+            rule=hit.rule.id,
+            severity="info",
+            role="progress",
+            category="progress",
+            text=mask(hit.line[:MAX_CONTEXT_LINE]),
+            fields=dict(hit.fields),
+        )
+
+
+class _LineCounter:
+    """Line numbers for increasing buffer positions without recounting from the start."""
+
+    __slots__ = ("_buf", "_count", "_pos")
+
+    def __init__(self, buf: bytes, first_line: int) -> None:
+        self._buf = buf
+        self._pos = 0
+        self._count = first_line
+
+    def line_at(self, pos: int) -> int:
+        if pos >= self._pos:
+            self._count += self._buf.count(b"\n", self._pos, pos)
+        else:
+            self._count -= self._buf.count(b"\n", pos, self._pos)
+        self._pos = pos
+        return self._count
+
+
+def _pick_rank(line: str, from_line: int | None, from_file: int | None) -> int | None:
+    """A ``[rankN]:`` prefix beats the file's rank (merged outputs); the file beats inline text."""
+    if from_line is not None and (has_prefix(line) or from_file is None):
+        return from_line
+    return from_file
+
+
+def _role_rank(role: str) -> int:
+    return {"root-cause": 0, "symptom": 1, "collateral": 2}.get(role, 3)
+
+
+__all__ = ["LineScanner", "ScanStats", "Source", "line_bounds"]

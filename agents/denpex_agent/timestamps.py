@@ -1,0 +1,88 @@
+"""Timestamps in the shapes training logs use, parsed to epoch seconds.
+
+Recognised (searched in the first `HEAD_CHARS` characters of a line):
+
+* ISO-8601 / python logging: ``2026-11-29 12:00:01,123``, ``2026-11-29T12:00:01.123456+02:00``,
+  ``[2026-11-29 12:00:01.123]`` (Megatron), with or without a zone (``Z``, ``+hh:mm``, ``+hhmm``).
+* glog / c10 / torchrun: ``I1129 12:00:01.123456`` and ``[E1129 12:00:01.123456 ...]`` — no year:
+  the caller's ``default_year`` (the file's mtime year) is used, one year earlier when the date
+  would otherwise lie in the future relative to ``ref_epoch``.
+* syslog: ``Nov 29 12:00:01`` (year as for glog) and ``dmesg -T``: ``[Sun Nov 29 12:00:01 2026]``.
+
+A timestamp without a zone is read as UTC. Only relative times matter to the engine, and every
+file of one node is read the same way, so a consistent reading is what counts.
+"""
+
+from __future__ import annotations
+
+import re
+from datetime import UTC, datetime, timedelta, timezone
+
+HEAD_CHARS = 96
+
+_MONTHS = {m: i for i, m in enumerate(("jan", "feb", "mar", "apr", "may", "jun", "jul", "aug", "sep", "oct", "nov", "dec"), 1)}
+
+_TS_RE = re.compile(
+    r"(?P<y>(?:19|20)\d\d)-(?P<mo>[01]\d)-(?P<d>[0-3]\d)[T ](?P<h>[0-2]\d):(?P<mi>[0-5]\d):(?P<s>[0-6]\d)"
+    r"(?:[.,](?P<frac>\d{1,9}))?(?P<tz>Z|[+-][01]\d:?[0-5]\d)?"
+    r"|(?<![A-Za-z0-9])[IWEF](?P<gmo>[01]\d)(?P<gd>[0-3]\d) (?P<gh>[0-2]\d):(?P<gmi>[0-5]\d):(?P<gs>[0-6]\d)"
+    r"(?:\.(?P<gfrac>\d{1,9}))?"
+    r"|(?<![A-Za-z0-9])(?P<smon>[A-Z][a-z]{2}) {1,2}(?P<sd>[0-3]?\d) (?P<sh>[0-2]\d):(?P<smi>[0-5]\d):(?P<ss>[0-6]\d)"
+    r"(?: (?P<sy>(?:19|20)\d\d))?"
+)
+
+
+def _frac(text: str | None) -> float:
+    if not text:
+        return 0.0
+    return int(text) / (10 ** len(text))
+
+
+def _tz(text: str | None) -> timezone:
+    if not text or text == "Z":
+        return UTC
+    sign = -1 if text[0] == "-" else 1
+    digits = text[1:].replace(":", "")
+    return timezone(sign * timedelta(hours=int(digits[:2]), minutes=int(digits[2:4])))
+
+
+def parse_timestamp(line: str, default_year: int, ref_epoch: float | None = None) -> float | None:
+    """Epoch seconds of the first timestamp near the start of ``line``, or None."""
+    m = _TS_RE.search(line, 0, HEAD_CHARS)
+    if m is None:
+        return None
+    try:
+        g = m.group
+        if g("y") is not None:
+            dt = datetime(int(g("y")), int(g("mo")), int(g("d")), int(g("h")), int(g("mi")), min(int(g("s")), 59), tzinfo=_tz(g("tz")))
+            return dt.timestamp() + _frac(g("frac"))
+        if g("gmo") is not None:
+            month, day = int(g("gmo")), int(g("gd"))
+            hms = (int(g("gh")), int(g("gmi")), min(int(g("gs")), 59))
+            frac = _frac(g("gfrac"))
+            year = None
+        else:
+            mon = _MONTHS.get(g("smon").lower())
+            if mon is None:
+                return None
+            month, day = mon, int(g("sd"))
+            hms = (int(g("sh")), int(g("smi")), min(int(g("ss")), 59))
+            frac = 0.0
+            year = int(g("sy")) if g("sy") else None
+        if year is None:
+            year = default_year
+            ts = datetime(year, month, day, *hms, tzinfo=UTC).timestamp() + frac
+            # A year-less date more than a day past the reference belongs to the previous year
+            # (a December line in a file last written in January).
+            if ref_epoch is not None and ts > ref_epoch + 86400:
+                ts = datetime(year - 1, month, day, *hms, tzinfo=UTC).timestamp() + frac
+            return ts
+        return datetime(year, month, day, *hms, tzinfo=UTC).timestamp() + frac
+    except ValueError:  # 2026-02-30 and friends: not a timestamp after all
+        return None
+
+
+def format_iso(epoch: float) -> str:
+    """ISO-8601 UTC with milliseconds, e.g. ``2026-11-29T12:00:01.123Z``."""
+    dt = datetime.fromtimestamp(epoch, tz=UTC)
+    return dt.strftime("%Y-%m-%dT%H:%M:%S.") + f"{dt.microsecond // 1000:03d}Z"

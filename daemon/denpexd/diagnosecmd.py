@@ -1,0 +1,118 @@
+"""`denpexd diagnose PATH...`: the reader and the engine in one process, no broker."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any, TextIO
+
+import orjson
+
+from denpex_agent.attribution import Layout
+from denpex_agent.errors import LayoutError, RuleError
+from denpex_agent.matcher import Matcher
+from denpex_agent.reader import ReadReport, discover, read_files
+from denpex_agent.rules import RuleSet, load_rules
+from denpexd.engine import Engine
+from denpexd.report import render_text
+
+PROGRESS_MIN_BYTES = 64 << 20
+
+
+def diagnose_paths(
+    paths: list[str],
+    *,
+    job: str | None = None,
+    rules: RuleSet | None = None,
+    layout: str | None = None,
+    context_lines: int = 100,
+    progress: TextIO | None = None,
+) -> dict[str, Any]:
+    """Read, match and correlate; return the DESIGN §7 diagnosis (plus `read` statistics)."""
+    rules = rules if rules is not None else load_rules()
+    lay = Layout(layout) if layout else None
+    report = ReadReport()
+    files = discover(paths, lay, report)
+    job_id = job or Path(paths[0]).resolve().name
+    engine = Engine(job_id, rules)
+    matcher = Matcher(rules)
+    total = sum(f.size for f in files)
+    bar = _Bar(progress, total) if progress is not None and total >= PROGRESS_MIN_BYTES else None
+    for ev in read_files(
+        files, matcher, job_id, report, context_lines=context_lines, on_bytes=bar.advance if bar else None
+    ):
+        engine.add(ev)
+    if bar:
+        bar.close()
+    result = engine.diagnose()
+    result["read"] = {
+        "files": report.files,
+        "bytes": report.bytes,
+        "lines": report.lines,
+        "events": report.events,
+        "progress_samples": report.progress,
+        "truncated_lines": report.truncated_lines,
+        "warnings": report.warnings,
+    }
+    return result
+
+
+class _Bar:
+    """A one-line progress bar on a terminal's stderr, redrawn at most 10 times a second."""
+
+    def __init__(self, out: TextIO, total: int) -> None:
+        self.out, self.total, self.done, self._last = out, total, 0, 0.0
+        self._t0 = time.monotonic()
+
+    def advance(self, n: int) -> None:
+        self.done += n
+        now = time.monotonic()
+        if now - self._last < 0.1:
+            return
+        self._last = now
+        frac = self.done / self.total if self.total else 1.0
+        rate = self.done / max(now - self._t0, 1e-6) / 1e6
+        filled = int(frac * 30)
+        self.out.write(f"\rreading [{'#' * filled}{'.' * (30 - filled)}] {frac:6.1%} {rate:7.1f} MB/s")
+        self.out.flush()
+
+    def close(self) -> None:
+        self.out.write("\r" + " " * 64 + "\r")
+        self.out.flush()
+
+
+def run(args: argparse.Namespace) -> int:
+    missing = [p for p in args.paths if not Path(p).exists()]
+    if missing:
+        print(f"denpexd diagnose: no such file or directory: {', '.join(missing)}", file=sys.stderr)
+        return 2
+    if args.context_lines < 0:
+        print("denpexd diagnose: --context-lines must be >= 0", file=sys.stderr)
+        return 2
+    try:
+        rules = load_rules(args.rules) if args.rules else load_rules()
+    except RuleError as exc:
+        print(f"denpexd diagnose: invalid rules: {exc}", file=sys.stderr)
+        return 2
+    show_bar = args.progress == "always" or (args.progress == "auto" and sys.stderr.isatty())
+    try:
+        result = diagnose_paths(
+            args.paths,
+            job=args.job,
+            rules=rules,
+            layout=args.layout,
+            context_lines=args.context_lines,
+            progress=sys.stderr if show_bar else None,
+        )
+    except LayoutError as exc:
+        print(f"denpexd diagnose: {exc}", file=sys.stderr)
+        return 2
+    if args.format == "json":
+        sys.stdout.buffer.write(orjson.dumps(result, option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS))
+        sys.stdout.buffer.write(b"\n")
+    else:
+        sys.stdout.write(render_text(result))
+    sys.stdout.flush()
+    return 0

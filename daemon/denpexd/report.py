@@ -1,0 +1,106 @@
+"""The text report: what a person reads in ten seconds, most important first."""
+
+from __future__ import annotations
+
+import textwrap
+from typing import Any
+
+EVIDENCE_LINES = 12
+
+
+def _who(d: dict[str, Any]) -> str:
+    rank = d.get("rank")
+    return f"node {d['node']} rank {rank if rank is not None else '-'}"
+
+
+def _wrap(label: str, text: str) -> list[str]:
+    if not text:
+        return []
+    body = textwrap.wrap(text, width=96, subsequent_indent=" " * 12) or [""]
+    return [f"{label:<11} {body[0]}", *body[1:]]
+
+
+def render_text(d: dict[str, Any]) -> str:
+    out: list[str] = []
+    verdict = d["verdict"].upper()
+    out.append(f"job {d['job']}: {verdict}")
+    ini = d.get("initiator")
+    rc = d.get("root_cause") or {}
+    if ini:
+        conf = ini.get("confidence", 1.0)
+        out.append("")
+        out.append(f"FIRST FAILURE  {_who(ini)}  at {ini.get('time') or 'unknown time'}  (confidence {conf:.0%})")
+        out.append(f"  rule       {ini['rule']}  [{ini['category']}]")
+        if ini.get("file"):
+            out.append(f"  where      {ini['file']}:{ini.get('line')}")
+        first_text = (ini.get("text") or "").strip().splitlines()
+        if first_text:
+            out.append(f"  line       {first_text[-1][:200]}")
+    elif d["verdict"] == "failed":
+        out.append("")
+        out.append("FIRST FAILURE  could not be attributed to a rank (see collateral below)")
+    if rc:
+        out.append("")
+        out.append(f"ROOT CAUSE  {rc.get('title', '')}")
+        out.extend("  " + line for line in _wrap("why", rc.get("root_cause", "")))
+        out.extend("  " + line for line in _wrap("fix", rc.get("fix", "")))
+        out.extend("  " + line for line in _wrap("verify", rc.get("verify", "")))
+    others = [c for c in d.get("candidates", [])[1:] if c.get("confidence", 0) >= 0.01]
+    if others:
+        out.append("")
+        out.append("OTHER CANDIDATES (too close to call by clock)")
+        for c in others[:5]:
+            out.append(f"  {_who(c)}  {c['rule']}  at {c.get('time')}  confidence {c['confidence']:.0%}")
+    stragglers = d.get("stragglers") or []
+    if stragglers:
+        out.append("")
+        out.append("STRAGGLERS")
+        for s in stragglers:
+            out.append(f"  {_who(s)}  data_time {s['data_time_s']:.3f}s vs typical {s['typical_s']:.3f}s")
+    coll = d.get("collateral") or []
+    if coll:
+        ranks = d.get("collateral_ranks", [])
+        out.append("")
+        out.append(
+            f"COLLATERAL  {d.get('suppressed', 0)} event(s) on {len(ranks)} other rank(s) "
+            f"{ranks if ranks else ''} suppressed as consequences"
+        )
+        by_rule: dict[str, list[dict[str, Any]]] = {}
+        for c in coll:
+            by_rule.setdefault(c["rule"], []).append(c)
+        for rule, items in sorted(by_rule.items(), key=lambda kv: -sum(i["count"] for i in kv[1])):
+            ranks_of = sorted({i["rank"] for i in items if i["rank"] is not None})
+            launcher = any(i["rank"] is None for i in items)
+            where = f"ranks {ranks_of}" if ranks_of else ""
+            if launcher:
+                where = (where + " + launcher").strip(" +")
+            out.append(f"  {sum(i['count'] for i in items):>5} x {rule:<40} {where}")
+    nan = (d.get("fingerprints") or {}).get("nan") or {}
+    if nan.get("stage") in ("warn", "error"):
+        out.append("")
+        out.append(f"NAN FINGERPRINT  stage {nan['stage']}, first on rank {nan.get('first_rank')}, ranks {nan.get('ranks')}")
+    clock = d.get("clock") or {}
+    if clock:
+        out.append("")
+        out.append("CLOCKS (aligned time = local time - offset)")
+        for node, c in clock.items():
+            out.append(f"  {node:<16} offset {c['offset_s']:+9.3f}s  ±{c['uncertainty_s']:.3f}s  {c['method']}")
+    ev = d.get("evidence")
+    if ev and ev.get("before"):
+        out.append("")
+        out.append(f"EVIDENCE  {len(ev['before'])} line(s) before {ev['file']}:{ev['line']} (last {EVIDENCE_LINES} shown)")
+        for line in ev["before"][-EVIDENCE_LINES:]:
+            out.append(f"  | {line[:160]}")
+        first = (ev.get("text") or "").splitlines()
+        for line in first[:EVIDENCE_LINES]:
+            out.append(f"  > {line[:160]}")
+    read = d.get("read")
+    if read:
+        out.append("")
+        out.append(
+            f"read {read['files']} file(s), {read['bytes'] / 1e6:.1f} MB, {read['lines']} lines, "
+            f"{read['events']} matches, {len(read['warnings'])} warning(s)"
+        )
+        for w in read["warnings"][:10]:
+            out.append(f"  warning: {w}")
+    return "\n".join(out) + "\n"
