@@ -45,7 +45,12 @@ def attribute_path(rel: str) -> Attribution:
     node = dirs[0] if dirs else DEFAULT_NODE
 
     # torchrun --log-dir: .../attempt_N/<local_rank>/stdout.log
-    if len(parts) >= 3 and _STD_NAME.match(name) and _LOCAL_DIR.match(parts[-2]) and _ATTEMPT.match(parts[-3]):
+    if (
+        len(parts) >= 3
+        and _STD_NAME.match(name)
+        and _LOCAL_DIR.match(parts[-2])
+        and _ATTEMPT.match(parts[-3])
+    ):
         return Attribution(node=node, rank=None, local_rank=int(parts[-2]))
 
     stem_name = _strip_rotation(name)
@@ -84,7 +89,9 @@ class Layout:
             raise LayoutError(f"layout {template!r}: give a path relative to the log directory")
         unknown = set(re.findall(r"\{([^}]*)\}", template)) - {"node", "rank", "local_rank", "any"}
         if unknown:
-            raise LayoutError(f"layout {template!r}: unknown field(s) {sorted(unknown)}; use node, rank, local_rank, any")
+            raise LayoutError(
+                f"layout {template!r}: unknown field(s) {sorted(unknown)}; use node, rank, local_rank, any"
+            )
         out: list[str] = []
         pos = 0
         seen: set[str] = set()

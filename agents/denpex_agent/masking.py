@@ -27,7 +27,22 @@ _PATTERNS: tuple[tuple[re.Pattern[str], str], ...] = (
     (re.compile(r"\bxox[abprs]-[A-Za-z0-9-]{10,}\b"), MASK),
 )
 
-_HINTS = ("://", "earer", "asic", "ass", "wd", "ecret", "oken", "ey", "AKIA", "ASIA", "hf_", "gh", "sk-", "xox")
+_HINTS = (
+    "://",
+    "earer",
+    "asic",
+    "ass",
+    "wd",
+    "ecret",
+    "oken",
+    "ey",
+    "AKIA",
+    "ASIA",
+    "hf_",
+    "gh",
+    "sk-",
+    "xox",
+)
 
 
 def mask(text: str) -> str:

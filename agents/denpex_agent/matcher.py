@@ -22,6 +22,7 @@ from denpex_agent.rules import ROLES, Rule, RuleSet
 
 log = logging.getLogger(__name__)
 
+_hs: Any
 try:
     import hyperscan as _hs
 except ImportError:  # pragma: no cover - exercised only where the wheel is missing
@@ -95,7 +96,10 @@ class _Database:
             def cb(pid: int, _from: int, to: int, _flags: int, _ctx: Any) -> bool | None:
                 return on_hit(owner[pid], to)
 
-            self._db.scan(data, match_event_handler=cb)
+            try:
+                self._db.scan(data, match_event_handler=cb)
+            except _hs.ScanTerminated:  # on_hit asked to stop
+                return
         for rule_idx, rx in self._slow:
             for m in rx.finditer(data):
                 if on_hit(rule_idx, max(m.end(), m.start() + 1)):
@@ -143,7 +147,11 @@ class Matcher:
         limit = len(buf) if limit is None else limit
         data = buf if limit == len(buf) else buf[:limit]
         raw: list[tuple[int, int]] = []
-        self._db.scan(data, lambda idx, to: raw.append((to, idx)) and None)
+
+        def collect(idx: int, to: int) -> None:
+            raw.append((to, idx))
+
+        self._db.scan(data, collect)
         if not raw:
             return []
         raw.sort()
@@ -163,7 +171,9 @@ class Matcher:
                 hits.append(hit)
         return hits
 
-    def classify_line(self, buf: bytes, start: int, end: int, candidates: set[int] | None = None) -> Hit | None:
+    def classify_line(
+        self, buf: bytes, start: int, end: int, candidates: set[int] | None = None
+    ) -> Hit | None:
         """Verify a line against candidate rules (all rules when None) and pick the best."""
         line = self._decode(buf, start, end)
         pool = self.rules if candidates is None else [self.rules[c] for c in candidates]

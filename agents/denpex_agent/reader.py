@@ -73,7 +73,9 @@ def _rotation_key(rel: str) -> tuple[str, int]:
     return rel, 0
 
 
-def discover(paths: Iterable[str | os.PathLike[str]], layout: Layout | None, report: ReadReport) -> list[LogFile]:
+def discover(
+    paths: Iterable[str | os.PathLike[str]], layout: Layout | None, report: ReadReport
+) -> list[LogFile]:
     """Every log file under ``paths`` with its node/rank attribution, oldest rotation first."""
     found: list[LogFile] = []
     for given in paths:
@@ -85,8 +87,15 @@ def discover(paths: Iterable[str | os.PathLike[str]], layout: Layout | None, rep
             continue
         if stat.S_ISDIR(st.st_mode):
             candidates: list[tuple[Path, str]] = []
-            for dirpath, dirnames, filenames in os.walk(root, onerror=lambda e: report.warn(f"{e.filename}: cannot list: {e.strerror}")):
+            for dirpath, dirnames, filenames in os.walk(
+                root, onerror=lambda e: report.warn(f"{e.filename}: cannot list: {e.strerror}")
+            ):
                 dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+                for d in dirnames:
+                    if is_log_name(d):
+                        report.warn(
+                            f"{Path(dirpath) / d}: a directory with a log file's name; searched as a folder"
+                        )
                 for name in sorted(filenames):
                     if is_log_name(name):
                         p = Path(dirpath) / name
@@ -114,7 +123,9 @@ def _share_ranks(files: list[LogFile]) -> list[LogFile]:
         ranks = by_dir.get(lf.path.parent, set())
         if lf.who.rank is None and lf.who.local_rank is not None and len(ranks) == 1:
             who = Attribution(node=lf.who.node, rank=next(iter(ranks)), local_rank=lf.who.local_rank)
-            lf = LogFile(path=lf.path, rel=lf.rel, who=who, size=lf.size, mtime=lf.mtime, identity=lf.identity)
+            lf = LogFile(
+                path=lf.path, rel=lf.rel, who=who, size=lf.size, mtime=lf.mtime, identity=lf.identity
+            )
         out.append(lf)
     return out
 
@@ -146,7 +157,9 @@ def _describe(path: Path, rel: str, layout: Layout | None, report: ReadReport) -
             head.decode("utf-8")
         except UnicodeDecodeError as exc:
             if exc.start < len(head) - 4:  # not merely a character cut at the sample's end
-                report.warn(f"{path}: not valid UTF-8 (first bad byte at offset {exc.start}); read with replacement")
+                report.warn(
+                    f"{path}: not valid UTF-8 (first bad byte at offset {exc.start}); read with replacement"
+                )
     return LogFile(
         path=path,
         rel=rel,
@@ -158,7 +171,12 @@ def _describe(path: Path, rel: str, layout: Layout | None, report: ReadReport) -
 
 
 def scanner_for(
-    lf: LogFile, matcher: Matcher, job: str, agent: str, context_lines: int, progress_stride: int | None = None
+    lf: LogFile,
+    matcher: Matcher,
+    job: str,
+    agent: str,
+    context_lines: int,
+    progress_stride: int | None = None,
 ) -> LineScanner:
     year = time.gmtime(lf.mtime).tm_year
     source = Source(

@@ -224,7 +224,11 @@ class LineScanner:
             end = buf.find(b"\n", pos, cut)
             if end < 0:
                 end = cut
-            yield pos, end, strip_prefix(buf[pos : min(end, pos + MAX_CONTEXT_LINE)].decode("utf-8", "replace"))
+            yield (
+                pos,
+                end,
+                strip_prefix(buf[pos : min(end, pos + MAX_CONTEXT_LINE)].decode("utf-8", "replace")),
+            )
             pos = end + 1
             count += 1
 
@@ -237,9 +241,13 @@ class LineScanner:
         state = "frames"
         block_end = -1
         blanks = 0
-        for start, end, text in self._lines_from(buf, header.end + 1, cut):
+        for _start, end, text in self._lines_from(buf, header.end + 1, cut):
             if state == "frames":
-                if not text.strip() or text[0] in " \t" or text.startswith("Traceback (most recent call last)"):
+                if (
+                    not text.strip()
+                    or text[0] in " \t"
+                    or text.startswith("Traceback (most recent call last)")
+                ):
                     continue
                 exc_end, exc_text, state = end, text.strip(), "after"
                 continue
@@ -408,7 +416,9 @@ class LineScanner:
                 local = max(self._next_progress - self._base, 0)
                 if local > 0:
                     local = buf.rfind(b"\n", 0, local) + 1
-                got = self.matcher.progress(buf, local, min(local + self.progress_window, consumed), first_only=True)
+                got = self.matcher.progress(
+                    buf, local, min(local + self.progress_window, consumed), first_only=True
+                )
                 hits.extend(got)
                 self._next_progress += self.progress_stride
         return [self._progress_event(buf, h, counter) for h in hits]

@@ -20,7 +20,12 @@ from datetime import UTC, datetime, timedelta, timezone
 
 HEAD_CHARS = 96
 
-_MONTHS = {m: i for i, m in enumerate(("jan", "feb", "mar", "apr", "may", "jun", "jul", "aug", "sep", "oct", "nov", "dec"), 1)}
+_MONTHS = {
+    m: i
+    for i, m in enumerate(
+        ("jan", "feb", "mar", "apr", "may", "jun", "jul", "aug", "sep", "oct", "nov", "dec"), 1
+    )
+}
 
 _TS_RE = re.compile(
     r"(?P<y>(?:19|20)\d\d)-(?P<mo>[01]\d)-(?P<d>[0-3]\d)[T ](?P<h>[0-2]\d):(?P<mi>[0-5]\d):(?P<s>[0-6]\d)"
@@ -35,7 +40,7 @@ _TS_RE = re.compile(
 def _frac(text: str | None) -> float:
     if not text:
         return 0.0
-    return int(text) / (10 ** len(text))
+    return int(text) / float(10 ** len(text))
 
 
 def _tz(text: str | None) -> timezone:
@@ -54,7 +59,15 @@ def parse_timestamp(line: str, default_year: int, ref_epoch: float | None = None
     try:
         g = m.group
         if g("y") is not None:
-            dt = datetime(int(g("y")), int(g("mo")), int(g("d")), int(g("h")), int(g("mi")), min(int(g("s")), 59), tzinfo=_tz(g("tz")))
+            dt = datetime(
+                int(g("y")),
+                int(g("mo")),
+                int(g("d")),
+                int(g("h")),
+                int(g("mi")),
+                min(int(g("s")), 59),
+                tzinfo=_tz(g("tz")),
+            )
             return dt.timestamp() + _frac(g("frac"))
         if g("gmo") is not None:
             month, day = int(g("gmo")), int(g("gd"))

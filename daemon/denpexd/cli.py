@@ -35,9 +35,13 @@ class _UsageError(Exception):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="denpexd", description=_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = _Parser(
+        prog="denpexd", description=_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--version", action="version", version=f"denpexd {__version__}")
-    p.add_argument("-v", "--verbose", action="store_true", help="log reader warnings and progress at DEBUG level")
+    p.add_argument(
+        "-v", "--verbose", action="store_true", help="log reader warnings and progress at DEBUG level"
+    )
     sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
 
     d = sub.add_parser(
@@ -52,7 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("paths", nargs="+", metavar="PATH", help="log directories or files of one job")
     d.add_argument("--job", help="job id to report (default: the name of the first PATH)")
     d.add_argument("--format", choices=("text", "json"), default="text", help="output format (default: text)")
-    d.add_argument("--rules", metavar="DIR", help="rule library folder or file (default: the bundled library)")
+    d.add_argument(
+        "--rules", metavar="DIR", help="rule library folder or file (default: the bundled library)"
+    )
     d.add_argument(
         "--layout",
         metavar="TEMPLATE",
@@ -60,15 +66,23 @@ def build_parser() -> argparse.ArgumentParser:
         "(fields: {node} {rank} {local_rank} {any}); default: built-in layouts",
     )
     d.add_argument(
-        "--context-lines", type=int, default=100, metavar="N", help="lines kept before the first failure (default 100)"
+        "--context-lines",
+        type=int,
+        default=100,
+        metavar="N",
+        help="lines kept before the first failure (default 100)",
     )
-    d.add_argument("--progress", choices=("auto", "always", "never"), default="auto", help="progress bar on stderr")
+    d.add_argument(
+        "--progress", choices=("auto", "always", "never"), default="auto", help="progress bar on stderr"
+    )
 
     r = sub.add_parser("rules", help="inspect or self-test the signature library")
     rsub = r.add_subparsers(dest="rules_command", metavar="ACTION", parser_class=_Parser)
     for name, text in (("test", "run every example and counterexample"), ("list", "list the rules")):
         rp = rsub.add_parser(name, help=text, description=text)
-        rp.add_argument("--rules", metavar="DIR", help="rule library folder or file (default: the bundled library)")
+        rp.add_argument(
+            "--rules", metavar="DIR", help="rule library folder or file (default: the bundled library)"
+        )
     return p
 
 

@@ -156,7 +156,9 @@ class Engine:
         progress: dict[str, list[tuple[int, float]]] = {}
         for (node, _rank), t in self.tracks.items():
             progress.setdefault(node, []).extend(t.samples)
-        ref = next((n for (n, r) in sorted(self.tracks, key=lambda k: (k[1] is None, k[1] or 0)) if r == 0), None)
+        ref = next(
+            (n for (n, r) in sorted(self.tracks, key=lambda k: (k[1] is None, k[1] or 0)) if r == 0), None
+        )
         return align(progress, self.nodes(), reference=ref, agent_offsets=self.agent_offsets)
 
     def _rule(self, rule_id: str) -> Rule | None:
@@ -180,7 +182,9 @@ class Engine:
             return SEVERITIES.index(agg.first.severity or "info")
 
         failing = [a for a in self.aggs.values() if sev(a) >= ERROR]
-        failure_start = min((t for a in failing if (t := aligned(a.first.node, a.first.ts)) is not None), default=None)
+        failure_start = min(
+            (t for a in failing if (t := aligned(a.first.node, a.first.ts)) is not None), default=None
+        )
 
         candidates = self._candidates(failing, failure_start, aligned)
         hang = None
@@ -255,7 +259,16 @@ class Engine:
                         rank = self._global_rank(a.first.node, f["local_rank"])
                     ev = a.first
                     pool.append(
-                        Candidate(ev.node, rank, KILLED_RULE, "process-killed", ev.ts, aligned(ev.node, ev.ts), ev, "killed")
+                        Candidate(
+                            ev.node,
+                            rank,
+                            KILLED_RULE,
+                            "process-killed",
+                            ev.ts,
+                            aligned(ev.node, ev.ts),
+                            ev,
+                            "killed",
+                        )
                     )
         return pool
 
@@ -264,7 +277,9 @@ class Engine:
         ranks = [t for t in self.tracks.values() if t.rank is not None]
         if not ranks:
             return None
-        loud = {(n, r) for (n, r, _rule), a in self.aggs.items() if r is not None and a.first.role != "progress"}
+        loud = {
+            (n, r) for (n, r, _rule), a in self.aggs.items() if r is not None and a.first.role != "progress"
+        }
         hints: dict[int, int] = {}
         for a in self.aggs.values():
             cr = a.first.fields.get("culprit_rank")
@@ -284,7 +299,18 @@ class Engine:
         out = []
         for t in tied:
             ev = t.last_progress
-            out.append(Candidate(t.node, t.rank, HANG_RULE, "hang", t.last_step_ts, aligned(t.node, t.last_step_ts), ev, "hang"))
+            out.append(
+                Candidate(
+                    t.node,
+                    t.rank,
+                    HANG_RULE,
+                    "hang",
+                    t.last_step_ts,
+                    aligned(t.node, t.last_step_ts),
+                    ev,
+                    "hang",
+                )
+            )
         return out
 
     def _rank_candidates(
@@ -339,7 +365,14 @@ class Engine:
     def _root_cause(self, c: Candidate) -> dict[str, Any]:
         rule = self._rule(c.rule)
         if rule is None:
-            return {"rule": c.rule, "title": c.rule, "category": c.category, "root_cause": "", "fix": "", "verify": ""}
+            return {
+                "rule": c.rule,
+                "title": c.rule,
+                "category": c.category,
+                "root_cause": "",
+                "fix": "",
+                "verify": "",
+            }
         return {
             "rule": rule.id,
             "title": rule.title,
@@ -358,7 +391,11 @@ class Engine:
             ev = a.first
             if SEVERITIES.index(ev.severity or "info") < WARNING:
                 continue
-            if initiator is not None and rank is not None and (node, rank) == (initiator.node, initiator.rank):
+            if (
+                initiator is not None
+                and rank is not None
+                and (node, rank) == (initiator.node, initiator.rank)
+            ):
                 continue
             at = aligned(node, ev.ts)
             out.append(
@@ -372,7 +409,14 @@ class Engine:
                     "count": a.count,
                 }
             )
-        out.sort(key=lambda d: (d["first_time"] or "~", d["node"], d["rank"] if d["rank"] is not None else -1, d["rule"]))
+        out.sort(
+            key=lambda d: (
+                d["first_time"] or "~",
+                d["node"],
+                d["rank"] if d["rank"] is not None else -1,
+                d["rule"],
+            )
+        )
         return out
 
     def _nan_fingerprint(self, aligned: Callable[[str, float | None], float | None]) -> dict[str, Any]:
@@ -405,7 +449,9 @@ class Engine:
         return {"file": ev.file, "line": ev.line_no, "before": list(ev.context), "text": ev.text}
 
     def _stragglers(self) -> list[dict[str, Any]]:
-        medians = {k: statistics.median(t.data_times) for k, t in self.tracks.items() if len(t.data_times) >= 3}
+        medians = {
+            k: statistics.median(t.data_times) for k, t in self.tracks.items() if len(t.data_times) >= 3
+        }
         if len(medians) < 2:
             return []
         out = []
@@ -413,16 +459,25 @@ class Engine:
             others = [v for k, v in medians.items() if k != (node, rank)]
             typical = statistics.median(others)
             if m > STRAGGLER_RATIO * typical and m - typical > STRAGGLER_MIN_S:
-                out.append({"node": node, "rank": rank, "data_time_s": round(m, 4), "typical_s": round(typical, 4)})
+                out.append(
+                    {"node": node, "rank": rank, "data_time_s": round(m, 4), "typical_s": round(typical, 4)}
+                )
         return out
 
     def _is_scale_drop(self, a: Aggregate) -> bool:
         rule = self._rule(a.first.rule or "")
-        return rule is not None and rule.fingerprint == "nan" and rule.severity == "warning" and "scale" in rule.id
+        return (
+            rule is not None
+            and rule.fingerprint == "nan"
+            and rule.severity == "warning"
+            and "scale" in rule.id
+        )
 
     def _rank_table(self, aligned: Callable[[str, float | None], float | None]) -> list[dict[str, Any]]:
         rows = []
-        for (node, rank), t in sorted(self.tracks.items(), key=lambda kv: (kv[0][1] is None, kv[0][1] or 0, kv[0][0])):
+        for (node, rank), t in sorted(
+            self.tracks.items(), key=lambda kv: (kv[0][1] is None, kv[0][1] or 0, kv[0][0])
+        ):
             at = aligned(node, t.last_step_ts)
             rows.append(
                 {

@@ -29,7 +29,9 @@ def render_text(d: dict[str, Any]) -> str:
     if ini:
         conf = ini.get("confidence", 1.0)
         out.append("")
-        out.append(f"FIRST FAILURE  {_who(ini)}  at {ini.get('time') or 'unknown time'}  (confidence {conf:.0%})")
+        out.append(
+            f"FIRST FAILURE  {_who(ini)}  at {ini.get('time') or 'unknown time'}  (confidence {conf:.0%})"
+        )
         out.append(f"  rule       {ini['rule']}  [{ini['category']}]")
         if ini.get("file"):
             out.append(f"  where      {ini['file']}:{ini.get('line')}")
@@ -78,17 +80,23 @@ def render_text(d: dict[str, Any]) -> str:
     nan = (d.get("fingerprints") or {}).get("nan") or {}
     if nan.get("stage") in ("warn", "error"):
         out.append("")
-        out.append(f"NAN FINGERPRINT  stage {nan['stage']}, first on rank {nan.get('first_rank')}, ranks {nan.get('ranks')}")
+        out.append(
+            f"NAN FINGERPRINT  stage {nan['stage']}, first on rank {nan.get('first_rank')}, ranks {nan.get('ranks')}"
+        )
     clock = d.get("clock") or {}
     if clock:
         out.append("")
         out.append("CLOCKS (aligned time = local time - offset)")
         for node, c in clock.items():
-            out.append(f"  {node:<16} offset {c['offset_s']:+9.3f}s  ±{c['uncertainty_s']:.3f}s  {c['method']}")
+            out.append(
+                f"  {node:<16} offset {c['offset_s']:+9.3f}s  ±{c['uncertainty_s']:.3f}s  {c['method']}"
+            )
     ev = d.get("evidence")
     if ev and ev.get("before"):
         out.append("")
-        out.append(f"EVIDENCE  {len(ev['before'])} line(s) before {ev['file']}:{ev['line']} (last {EVIDENCE_LINES} shown)")
+        out.append(
+            f"EVIDENCE  {len(ev['before'])} line(s) before {ev['file']}:{ev['line']} (last {EVIDENCE_LINES} shown)"
+        )
         for line in ev["before"][-EVIDENCE_LINES:]:
             out.append(f"  | {line[:160]}")
         first = (ev.get("text") or "").splitlines()

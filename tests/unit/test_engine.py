@@ -1,0 +1,136 @@
+"""The pure engine, fed hand-built events (the only place fakes are used)."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+from denpex_agent.events import Event
+from denpex_agent.rules import RuleSet
+from denpexd.engine import Engine
+
+T0 = 1_795_953_600.0
+_ids = itertools.count()
+
+
+def ev(
+    node: str, rank: int | None, ts: float | None, rule: str | None, rules: RuleSet, **fields: Any
+) -> Event:
+    kind = "progress" if rule is None else "match"
+    r = rules.get(rule) if rule else None
+    return Event(
+        id=str(next(_ids)),
+        kind=kind,
+        job="j",
+        node=node,
+        rank=rank,
+        local_rank=None,
+        file=f"{node}/rank{rank}.log",
+        offset=0,
+        line_no=1,
+        ts=ts,
+        ts_source="line" if ts is not None else "none",
+        rule=rule or "step",
+        severity=r.severity if r else "info",
+        role=r.role if r else "progress",
+        category=r.category if r else "progress",
+        text=rule or "step",
+        context=["before"],
+        fields=fields,
+    )
+
+
+def steps(
+    engine: Engine, rules: RuleSet, node: str, ranks: list[int], skew: float, n: int = 30, **extra: Any
+) -> None:
+    for s in range(1, n + 1):
+        for r in ranks:
+            engine.add(ev(node, r, T0 + 0.1 * s + skew, None, rules, step=s, **extra))
+
+
+def test_nan_initiator_survives_clock_skew_that_fools_earliest_error(unit_rules: RuleSet) -> None:
+    e = Engine("j", unit_rules)
+    steps(e, unit_rules, "node1", [0, 1], skew=-4.0)
+    steps(e, unit_rules, "node2", [2, 3], skew=+4.0)
+    # true time: rank 3 warns at step 30 + 0.05 s, NaN reaches everyone 0.04 s later
+    e.add(ev("node2", 3, T0 + 3.05 + 4.0, "grad-norm-nonfinite", unit_rules))
+    for r, node, skew in ((0, "node1", -4.0), (1, "node1", -4.0), (2, "node2", 4.0), (3, "node2", 4.0)):
+        e.add(ev(node, r, T0 + 3.09 + skew, "loss-nan", unit_rules))
+    d = e.diagnose()
+    assert d["verdict"] == "failed"
+    assert (d["initiator"]["node"], d["initiator"]["rank"]) == ("node2", 3)
+    assert d["initiator"]["rule"] == "grad-norm-nonfinite"
+    assert d["initiator"]["confidence"] > 0.9
+    assert d["collateral_ranks"] == [0, 1, 2]
+    assert abs(d["clock"]["node2"]["offset_s"] - 8.0) < 0.01
+    nan = d["fingerprints"]["nan"]
+    assert nan["stage"] == "error" and nan["first_rank"] == 3 and nan["ranks"] == [0, 1, 2, 3]
+    assert d["evidence"]["before"] == ["before"]
+    assert d["root_cause"]["fix"] == "bf16"
+
+
+def test_hang_suspect_is_the_silent_rank(unit_rules: RuleSet) -> None:
+    e = Engine("j", unit_rules)
+    steps(e, unit_rules, "node1", [0, 1], 0.0, n=20)
+    steps(e, unit_rules, "node2", [2, 3], 0.0, n=20)
+    for r, node in ((0, "node1"), (1, "node1"), (3, "node2")):
+        e.add(ev(node, r, T0 + 12.0, "gloo-closed", unit_rules))
+    d = e.diagnose()
+    assert d["initiator"]["rank"] == 2 and d["initiator"]["category"] == "hang"
+    assert d["initiator"]["kind"] == "hang"
+    assert d["collateral_ranks"] == [0, 1, 3]
+
+
+def test_sigkill_seen_only_by_the_launcher_names_the_killed_rank(unit_rules: RuleSet) -> None:
+    e = Engine("j", unit_rules)
+    steps(e, unit_rules, "node1", [0, 1], 0.0, n=10)
+    steps(e, unit_rules, "node2", [2, 3], 0.0, n=10)
+    for r, node in ((0, "node1"), (1, "node1"), (2, "node2")):
+        e.add(ev(node, r, T0 + 1.2, "gloo-closed", unit_rules))
+    e.add(
+        ev("node2", None, T0 + 1.5, "elastic-child-failed", unit_rules, culprit_rank=3, exitcode=-9, signal=9)
+    )
+    d = e.diagnose()
+    assert (d["initiator"]["node"], d["initiator"]["rank"]) == ("node2", 3)
+    assert d["initiator"]["category"] == "process-killed"
+
+
+def test_rivals_closer_than_the_clock_uncertainty_share_confidence(unit_rules: RuleSet) -> None:
+    e = Engine("j", unit_rules)
+    e.add(ev("a", 0, T0 + 1.000, "cuda-oom", unit_rules))
+    e.add(ev("b", 1, T0 + 1.001, "cuda-oom", unit_rules))  # no progress: clocks unaligned (±10 s)
+    d = e.diagnose()
+    assert len(d["candidates"]) == 2
+    assert 0.4 < d["candidates"][0]["confidence"] < 0.6
+    assert d["clock"]["b"]["method"] == "none"
+
+
+def test_healthy_and_degraded_verdicts(unit_rules: RuleSet) -> None:
+    e = Engine("j", unit_rules)
+    steps(e, unit_rules, "node1", [0, 1], 0.0, data_time=0.005)
+    d = e.diagnose()
+    assert d["verdict"] == "healthy" and d["initiator"] is None and d["collateral"] == []
+    assert d["fingerprints"]["nan"]["stage"] == "info"
+    steps(e, unit_rules, "node2", [2], 0.0, data_time=0.25)
+    d = e.diagnose()
+    assert d["verdict"] == "degraded"
+    assert [(s["node"], s["rank"]) for s in d["stragglers"]] == [("node2", 2)]
+
+
+def test_symptoms_of_another_story_are_not_candidates(unit_rules: RuleSet) -> None:
+    e = Engine("j", unit_rules)
+    e.add(ev("a", 0, T0 + 1.0, "grad-norm-nonfinite", unit_rules))  # numerical warning first...
+    e.add(ev("a", 5, T0 + 2.0, "cuda-oom", unit_rules))  # ...but the failure is an OOM
+    d = e.diagnose()
+    assert d["initiator"]["rank"] == 5 and d["root_cause"]["category"] == "out-of-memory"
+
+
+def test_state_is_bounded_by_ranks_and_rules_not_by_events(unit_rules: RuleSet) -> None:
+    e = Engine("j", unit_rules)
+    for i in range(20000):
+        e.add(ev("a", i % 4, T0 + i, "gloo-closed", unit_rules))
+        e.add(ev("a", i % 4, T0 + i, None, unit_rules, step=i))
+    assert len(e.aggs) == 4
+    assert all(len(t.samples) < 4096 for t in e.tracks.values())
+    d = e.diagnose()
+    assert sum(c["count"] for c in d["collateral"]) + 0 >= 15000

@@ -1,0 +1,185 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from denpex_agent.events import Event
+from denpex_agent.matcher import Matcher
+from denpex_agent.reader import ReadReport, discover, read_files
+from denpex_agent.scanner import LineScanner, Source
+
+LOG = (
+    "2026-11-29 12:00:01,100 INFO [rank3] step 1 | loss 2.0\n"
+    "2026-11-29 12:00:01,200 INFO [rank3] step 2 | loss 2.0\n"
+    "[rank3]: Traceback (most recent call last):\n"
+    '[rank3]:   File "train.py", line 3, in <module>\n'
+    "[rank3]:     loss.backward()\n"
+    "[rank3]: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB password=hunter2\n"
+    "2026-11-29 12:00:02,200 INFO [rank3] after\n"
+    "Traceback (most recent call last):\n"
+    '  File "/usr/bin/torchrun", line 8, in <module>\n'
+    "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n"
+    "============================================================\n"
+    "train.py FAILED\n"
+    "------------------------------------------------------------\n"
+    "Root Cause (first observed failure):\n"
+    "[0]:\n"
+    "  time      : 2026-11-29_12:00:05\n"
+    "  rank      : 3 (local_rank: 1)\n"
+    "  exitcode  : -9 (pid: 1234)\n"
+    "  traceback : Signal 9 (SIGKILL) received by PID 1234\n"
+    "============================================================\n"
+    "Traceback (most recent call last):\n"
+    '  File "x.py", line 1, in <module>\n'
+    "KeyError: 'shard-9'\n"
+    "Killed\n"
+)
+
+
+def _source() -> Source:
+    return Source(
+        job="j",
+        agent="a",
+        node="n1",
+        rank=None,
+        local_rank=None,
+        file="f.log",
+        identity="id",
+        default_year=2026,
+    )
+
+
+def _scan(matcher: Matcher, data: bytes, sizes: list[int] | None = None, **kw: int) -> list[Event]:
+    sc = LineScanner(matcher, _source(), **kw)
+    out: list[Event] = []
+    if sizes is None:
+        out += sc.feed(data)
+    else:
+        pos = 0
+        i = 0
+        while pos < len(data):
+            n = sizes[i % len(sizes)]
+            out += sc.feed(data[pos : pos + n])
+            pos += n
+            i += 1
+    out += sc.finish()
+    return out
+
+
+def _key(e: Event) -> tuple[object, ...]:
+    return (
+        e.kind,
+        e.rule,
+        e.offset,
+        e.line_no,
+        e.rank,
+        e.ts,
+        e.ts_source,
+        e.text,
+        tuple(sorted(e.fields.items())),
+    )
+
+
+def test_tracebacks_fold_into_one_event_classified_by_the_exception(unit_matcher: Matcher) -> None:
+    events = [e for e in _scan(unit_matcher, LOG.encode()) if e.kind == "match"]
+    rules = [e.rule for e in events]
+    assert rules == ["cuda-oom", "elastic-child-failed", "python-traceback", "killed-line"]
+    oom = events[0]
+    assert oom.line_no == 3 and oom.rank == 3
+    assert oom.text.startswith("[rank3]: Traceback") and "CUDA out of memory" in oom.text
+    assert "hunter2" not in oom.text and "password=***" in oom.text
+    assert oom.ts_source == "inherited" and oom.ts is not None
+    assert oom.context[-1].endswith("step 2 | loss 2.0")
+
+
+def test_elastic_summary_names_the_root_cause_rank(unit_matcher: Matcher) -> None:
+    ev = next(e for e in _scan(unit_matcher, LOG.encode()) if e.rule == "elastic-child-failed")
+    assert ev.fields["culprit_rank"] == 3
+    assert ev.fields["culprit_local_rank"] == 1
+    assert ev.fields["exitcode"] == -9
+    assert ev.fields["signal"] == 9
+
+
+def test_unknown_exception_keeps_the_generic_rule_and_names_it(unit_matcher: Matcher) -> None:
+    ev = next(e for e in _scan(unit_matcher, LOG.encode()) if e.rule == "python-traceback")
+    assert ev.fields["exception"] == "KeyError: 'shard-9'"
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(min_value=1, max_value=300), min_size=1, max_size=8))
+def test_events_do_not_depend_on_chunk_boundaries(unit_matcher: Matcher, sizes: list[int]) -> None:
+    data = (LOG * 3).encode()
+    whole = sorted(map(_key, _scan(unit_matcher, data)))
+    pieces = sorted(map(_key, _scan(unit_matcher, data, sizes)))
+    assert pieces == whole
+
+
+def test_progress_every_line_or_sampled(unit_matcher: Matcher) -> None:
+    lines = "".join(
+        f"2026-11-29 12:00:{i // 10:02d},{i % 10}00 INFO [rank0] step {i} | loss 1.5\n" for i in range(200)
+    )
+    every = [e for e in _scan(unit_matcher, lines.encode()) if e.kind == "progress"]
+    assert [e.fields["step"] for e in every] == list(range(200))
+    sampled = [e for e in _scan(unit_matcher, lines.encode(), progress_stride=2048) if e.kind == "progress"]
+    steps = [e.fields["step"] for e in sampled]
+    assert 3 <= len(steps) < 50
+    assert steps[-1] == 199 and sampled[-1].fields.get("last") is True  # the file's last step is always kept
+
+
+def test_huge_line_is_truncated_counted_and_the_file_goes_on(unit_matcher: Matcher) -> None:
+    data = b"x" * (3 << 20) + b" Killed\nKilled\n2026-11-29 12:00:00,000 INFO [rank0] step 5 | loss 1.0\n"
+    sc = LineScanner(unit_matcher, _source(), max_line_bytes=1 << 20)
+    out: list[Event] = []
+    for i in range(0, len(data), 65536):
+        out += sc.feed(data[i : i + 65536])
+    out += sc.finish()
+    assert sc.stats.truncated_lines == 1
+    assert sc.stats.warnings and "longer than" in sc.stats.warnings[0]
+    killed = [e for e in out if e.rule == "killed-line"]
+    assert len(killed) == 1 and killed[0].line_no == 2 and killed[0].offset == (3 << 20) + 8
+    assert [e.fields["step"] for e in out if e.kind == "progress"] == [5]
+
+
+def test_invalid_utf8_and_nul_bytes_are_read_with_replacement(unit_matcher: Matcher, tmp_path: Path) -> None:
+    bad = tmp_path / "node1" / "rank0.log"
+    bad.parent.mkdir()
+    bad.write_bytes(
+        b"\xff\xfe\x00garbage\x00\n\xc3\x28 Killed\nKilled\n\x80\x81 CUDA out of memory. Tried to allocate 1 GiB\n"
+    )
+    report = ReadReport()
+    files = discover([tmp_path], None, report)
+    events = [e for e in read_files(files, unit_matcher, "j", report) if e.kind == "match"]
+    assert [e.rule for e in events] == ["killed-line", "cuda-oom"]
+    assert "\ufffd" in events[1].text
+    assert any("binary" in w for w in report.warnings)
+    assert any("undecodable" in w for w in report.warnings)
+
+
+def test_discovery_warns_about_missing_empty_and_non_log_inputs(
+    unit_matcher: Matcher, tmp_path: Path
+) -> None:
+    (tmp_path / "job" / "node1").mkdir(parents=True)
+    (tmp_path / "job" / "node1" / "rank0.log").write_bytes(b"")
+    (tmp_path / "job" / "node1" / "rank1.log").mkdir()  # a directory where a file should be
+    (tmp_path / "job" / "node1" / "model.bin").write_bytes(b"\x00" * 10)
+    report = ReadReport()
+    files = discover([tmp_path / "job", tmp_path / "missing"], None, report)
+    assert [f.rel for f in files] == ["node1/rank0.log"]
+    assert any("missing" in w and "cannot read" in w for w in report.warnings)
+    assert list(read_files(files, unit_matcher, "j", report)) == []
+    assert report.files == 1
+
+
+def test_rotated_files_are_read_oldest_first(unit_matcher: Matcher, tmp_path: Path) -> None:
+    d = tmp_path / "node1"
+    d.mkdir()
+    for name in ("rank0.log", "rank0.log.1", "rank0.log.2"):
+        (d / name).write_text("Killed\n")
+    report = ReadReport()
+    assert [f.rel for f in discover([tmp_path], None, report)] == [
+        "node1/rank0.log.2",
+        "node1/rank0.log.1",
+        "node1/rank0.log",
+    ]
