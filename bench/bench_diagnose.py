@@ -541,6 +541,7 @@ def in_process_stages(job: dict[str, Any], rules_dir: Path) -> list[dict[str, An
 
     # 1) multi-pattern scan + per-line verification over complete lines, 1 MiB at a time
     hits_by_rule: Counter[str] = Counter()
+    fold_openers = {r.id for r in rules if r.fold is not None}
     c0, w0 = time.process_time(), time.perf_counter()
     for p in job["paths"]:
         carry = b""
@@ -566,6 +567,7 @@ def in_process_stages(job: dict[str, Any], rules_dir: Path) -> list[dict[str, An
             "wall_s": time.perf_counter() - w0,
             "peak_rss_mb": None,
             "matched_lines": sum(hits_by_rule.values()),
+            "fold_openers": sum(n for rid, n in hits_by_rule.items() if rid in fold_openers),
             "hits_by_rule": dict(sorted(hits_by_rule.items())),
         }
     )
@@ -797,7 +799,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     if stages:
         print(
-            f"  Matcher.scan: {stages[0]['matched_lines']} verified lines; read_files: {stages[1]['events']} events"
+            f"  Matcher.scan: {stages[0]['matched_lines']} verified lines, {stages[0]['fold_openers']} of them "
+            f"opening a fold (traceback header, torchrun failure block); read_files: {stages[1]['events']} events"
         )
     if dx_main["warnings"]:
         print(

@@ -119,7 +119,8 @@ class Engine:
             off = ev.fields.get("clock_offset_s")
             unc = ev.fields.get("clock_uncertainty_s")
             if isinstance(off, (int, float)) and isinstance(unc, (int, float)):
-                self.agent_offsets[ev.node] = (float(off), float(unc))
+                # the agent reports daemon-minus-agent; a node's offset is local-minus-reference
+                self.agent_offsets[ev.node] = (-float(off), float(unc))
             return
         if ev.kind == "progress":
             step = ev.fields.get("step")

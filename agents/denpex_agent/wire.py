@@ -1,0 +1,335 @@
+"""The MQTT wire protocol between agents and the correlator: topics, payloads, validation.
+
+Both sides use this module (the daemon imports it; the agent never imports the daemon), so an
+encoder and its validator cannot drift apart. Payloads are orjson, versioned with ``"v": 1``.
+See agents/README.md for the prose description.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, TypeGuard
+
+import orjson
+
+from denpex_agent.errors import DenpexAgentError
+from denpex_agent.events import KINDS, TS_SOURCES, Event
+from denpex_agent.rules import CATEGORIES, PROGRESS_CATEGORY, ROLES, SEVERITIES
+
+VERSION = 1
+PREFIX = "denpex/v1"
+MAX_ID_LEN = 128
+MAX_BATCH_BYTES = 1 << 20  # hard limit a receiver enforces; senders aim well below
+MAX_EVENTS = 10_000
+MAX_TEXT = 64 * 1024
+MAX_CONTEXT_LINES = 200
+MAX_FIELDS = 32
+
+_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@=-]{0,127}$")
+
+
+class WireError(DenpexAgentError):
+    """A payload or topic that does not follow the protocol; `reason` says which part."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+        super().__init__(reason)
+
+
+def valid_id(value: object) -> bool:
+    """Job, node and agent ids: 1-128 of ``[A-Za-z0-9._:@=-]``, no ``/ + #``, no leading dot."""
+    return isinstance(value, str) and _ID_RE.match(value) is not None and ".." not in value
+
+
+def check_id(kind: str, value: object) -> str:
+    if not valid_id(value):
+        shown = repr(value)[:80]
+        raise WireError(
+            f"invalid {kind} id {shown}: use 1-{MAX_ID_LEN} of A-Z a-z 0-9 . _ : @ = - (no '/', '+', '#', '..')"
+        )
+    assert isinstance(value, str)
+    return value
+
+
+# Topics ------------------------------------------------------------------------------------------
+
+
+def events_topic(job: str) -> str:
+    return f"{PREFIX}/jobs/{check_id('job', job)}/events"
+
+
+def status_topic(job: str, agent: str) -> str:
+    """Retained ``online`` on connect; the broker publishes the last will ``offline`` here."""
+    return f"{PREFIX}/jobs/{check_id('job', job)}/agents/{check_id('agent', agent)}/status"
+
+
+def clock_request_topic(job: str, agent: str) -> str:
+    return f"{PREFIX}/jobs/{check_id('job', job)}/clock/{check_id('agent', agent)}"
+
+
+def clock_reply_topic(agent: str) -> str:
+    return f"{PREFIX}/agents/{check_id('agent', agent)}/clock"
+
+
+def diagnosis_topic(job: str) -> str:
+    return f"{PREFIX}/jobs/{check_id('job', job)}/diagnosis"
+
+
+def alerts_topic(job: str) -> str:
+    return f"{PREFIX}/alerts/{check_id('job', job)}"
+
+
+SUBSCRIPTIONS = (
+    f"{PREFIX}/jobs/+/events",
+    f"{PREFIX}/jobs/+/clock/+",
+    f"{PREFIX}/jobs/+/agents/+/status",
+)
+
+
+def parse_topic(topic: str) -> tuple[str, str, str | None]:
+    """(kind, job, agent) of an inbound topic; kind is events | clock | status."""
+    parts = topic.split("/")
+    if len(parts) >= 4 and parts[0] == "denpex" and parts[1] == "v1" and parts[2] == "jobs":
+        job = check_id("job", parts[3])
+        if len(parts) == 5 and parts[4] == "events":
+            return "events", job, None
+        if len(parts) == 6 and parts[4] == "clock":
+            return "clock", job, check_id("agent", parts[5])
+        if len(parts) == 7 and parts[4] == "agents" and parts[6] == "status":
+            return "status", job, check_id("agent", parts[5])
+    raise WireError(f"unexpected topic {topic[:120]!r}")
+
+
+# Batches -----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Batch:
+    agent: str
+    job: str
+    node: str
+    sent_at: float
+    seq: int
+    events: list[Event]
+
+
+_EVENT_KEYS = (
+    "id", "kind", "rank", "local_rank", "file", "offset", "line_no", "ts", "ts_source",
+    "rule", "severity", "role", "category", "text", "context", "fields",
+)  # fmt: skip
+
+
+def event_to_wire(ev: Event) -> dict[str, Any]:
+    """An event as it travels: job and node are the batch's, not repeated per event."""
+    return {
+        "id": ev.id,
+        "kind": ev.kind,
+        "rank": ev.rank,
+        "local_rank": ev.local_rank,
+        "file": ev.file,
+        "offset": ev.offset,
+        "line_no": ev.line_no,
+        "ts": ev.ts,
+        "ts_source": ev.ts_source,
+        "rule": ev.rule,
+        "severity": ev.severity,
+        "role": ev.role,
+        "category": ev.category,
+        "text": ev.text,
+        "context": ev.context,
+        "fields": ev.fields,
+    }
+
+
+def encode_batch(agent: str, job: str, node: str, seq: int, sent_at: float, events: Iterable[Event]) -> bytes:
+    return orjson.dumps(
+        {
+            "v": VERSION,
+            "agent": agent,
+            "job": job,
+            "node": node,
+            "seq": seq,
+            "sent_at": sent_at,
+            "events": [event_to_wire(e) for e in events],
+        }
+    )
+
+
+def decode_batch(payload: bytes, topic_job: str | None = None) -> Batch:
+    """Parse and validate a batch; raise `WireError` naming the first problem found."""
+    if len(payload) > MAX_BATCH_BYTES:
+        raise WireError(f"payload of {len(payload)} bytes exceeds {MAX_BATCH_BYTES}")
+    try:
+        doc = orjson.loads(payload)
+    except orjson.JSONDecodeError as exc:
+        raise WireError(f"not JSON: {exc}") from exc
+    if not isinstance(doc, dict):
+        raise WireError("payload is not a JSON object")
+    if doc.get("v") != VERSION:
+        raise WireError(f"unsupported version {doc.get('v')!r} (expected {VERSION})")
+    agent = check_id("agent", doc.get("agent"))
+    job = check_id("job", doc.get("job"))
+    node = check_id("node", doc.get("node"))
+    if topic_job is not None and job != topic_job:
+        raise WireError(f"job {job!r} does not match the topic's {topic_job!r}")
+    seq = doc.get("seq", 0)
+    sent_at = doc.get("sent_at")
+    if not isinstance(seq, int) or isinstance(seq, bool) or seq < 0:
+        raise WireError("seq must be a non-negative integer")
+    if not _finite(sent_at):
+        raise WireError("sent_at must be a finite number")
+    raw_events = doc.get("events")
+    if not isinstance(raw_events, list):
+        raise WireError("events must be a list")
+    if len(raw_events) > MAX_EVENTS:
+        raise WireError(f"{len(raw_events)} events exceed {MAX_EVENTS}")
+    events = [_event(job, node, i, e) for i, e in enumerate(raw_events)]
+    return Batch(agent=agent, job=job, node=node, sent_at=float(sent_at), seq=seq, events=events)
+
+
+def _finite(x: object) -> TypeGuard[float]:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _opt_int(e: Mapping[str, Any], key: str, where: str) -> int | None:
+    v = e.get(key)
+    if v is None:
+        return None
+    if not isinstance(v, int) or isinstance(v, bool) or not -1 <= v < 1 << 31:
+        raise WireError(f"{where}: {key} must be an integer or null")
+    return v
+
+
+def _event(job: str, node: str, i: int, e: object) -> Event:
+    where = f"event {i}"
+    if not isinstance(e, dict):
+        raise WireError(f"{where}: not an object")
+    unknown = set(e) - set(_EVENT_KEYS)
+    if unknown:
+        raise WireError(f"{where}: unknown key(s) {sorted(unknown)[:5]}")
+    eid = e.get("id")
+    if not isinstance(eid, str) or not 1 <= len(eid) <= MAX_ID_LEN:
+        raise WireError(f"{where}: id must be a string of 1-{MAX_ID_LEN} chars")
+    kind = e.get("kind")
+    if kind not in KINDS:
+        raise WireError(f"{where}: kind must be one of {KINDS}")
+    ts = e.get("ts")
+    if ts is not None and not _finite(ts):
+        raise WireError(f"{where}: ts must be a finite number or null")
+    ts_source = e.get("ts_source", "none")
+    if ts_source not in TS_SOURCES:
+        raise WireError(f"{where}: ts_source must be one of {TS_SOURCES}")
+    for key, allowed in (
+        ("severity", SEVERITIES),
+        ("role", ROLES),
+        ("category", (*CATEGORIES, PROGRESS_CATEGORY)),
+    ):
+        v = e.get(key)
+        if v is not None and v not in allowed:
+            raise WireError(f"{where}: {key} {str(v)[:40]!r} is not one of {allowed}")
+    text = e.get("text", "")
+    if not isinstance(text, str) or len(text) > MAX_TEXT:
+        raise WireError(f"{where}: text must be a string of at most {MAX_TEXT} chars")
+    context = e.get("context", [])
+    if (
+        not isinstance(context, list)
+        or len(context) > MAX_CONTEXT_LINES
+        or not all(isinstance(c, str) and len(c) <= MAX_TEXT for c in context)
+    ):
+        raise WireError(f"{where}: context must be a list of at most {MAX_CONTEXT_LINES} strings")
+    fields = e.get("fields", {})
+    if not isinstance(fields, dict) or len(fields) > MAX_FIELDS:
+        raise WireError(f"{where}: fields must be an object with at most {MAX_FIELDS} keys")
+    file = e.get("file", "")
+    rule = e.get("rule")
+    if not isinstance(file, str) or len(file) > 4096:
+        raise WireError(f"{where}: file must be a string")
+    if rule is not None and (not isinstance(rule, str) or len(rule) > 64):
+        raise WireError(f"{where}: rule must be a short string or null")
+    offset = e.get("offset")
+    line_no = e.get("line_no")
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (offset, line_no)):
+        raise WireError(f"{where}: offset and line_no must be non-negative integers")
+    assert isinstance(offset, int) and isinstance(line_no, int)
+    return Event(
+        id=eid,
+        kind=kind,
+        job=job,
+        node=node,
+        rank=_opt_int(e, "rank", where),
+        local_rank=_opt_int(e, "local_rank", where),
+        file=file,
+        offset=offset,
+        line_no=line_no,
+        ts=float(ts) if ts is not None else None,
+        ts_source=ts_source,
+        rule=rule,
+        severity=e.get("severity"),
+        role=e.get("role"),
+        category=e.get("category"),
+        text=text,
+        context=list(context),
+        fields=dict(fields),
+    )
+
+
+# Clock exchange ----------------------------------------------------------------------------------
+
+
+def encode_clock_request(agent: str, t0: float) -> bytes:
+    return orjson.dumps({"v": VERSION, "agent": agent, "t0": t0})
+
+
+def decode_clock_request(payload: bytes) -> tuple[str, float]:
+    doc = _small_object(payload)
+    agent = check_id("agent", doc.get("agent"))
+    t0 = doc.get("t0")
+    if not _finite(t0):
+        raise WireError("t0 must be a finite number")
+    return agent, float(t0)
+
+
+def encode_clock_reply(t0: float, t1: float, t2: float) -> bytes:
+    return orjson.dumps({"v": VERSION, "t0": t0, "t1": t1, "t2": t2})
+
+
+def decode_clock_reply(payload: bytes) -> tuple[float, float, float]:
+    doc = _small_object(payload)
+    vals = [doc.get(k) for k in ("t0", "t1", "t2")]
+    if not all(_finite(v) for v in vals):
+        raise WireError("t0, t1, t2 must be finite numbers")
+    return float(vals[0]), float(vals[1]), float(vals[2])  # type: ignore[arg-type]
+
+
+def encode_status(agent: str, node: str, state: str, at: float) -> bytes:
+    return orjson.dumps({"v": VERSION, "agent": agent, "node": node, "state": state, "at": at})
+
+
+def decode_status(payload: bytes) -> tuple[str, str, str]:
+    doc = _small_object(payload)
+    state = doc.get("state")
+    if state not in ("online", "offline"):
+        raise WireError("state must be online or offline")
+    return check_id("agent", doc.get("agent")), check_id("node", doc.get("node")), str(state)
+
+
+def _small_object(payload: bytes) -> dict[str, Any]:
+    if len(payload) > 4096:
+        raise WireError("control message larger than 4096 bytes")
+    try:
+        doc = orjson.loads(payload)
+    except orjson.JSONDecodeError as exc:
+        raise WireError(f"not JSON: {exc}") from exc
+    if not isinstance(doc, dict) or doc.get("v") != VERSION:
+        raise WireError(f"expected a JSON object with v={VERSION}")
+    return doc
+
+
+def clock_sample(t0: float, t1: float, t2: float, t3: float) -> tuple[float, float]:
+    """NTP-style (offset of the daemon's clock minus the agent's, round-trip delay)."""
+    offset = ((t1 - t0) + (t2 - t3)) / 2.0
+    delay = (t3 - t0) - (t2 - t1)
+    return offset, max(delay, 0.0)
