@@ -1,40 +1,147 @@
-"""`denpex-agent` command line.
+"""`denpex-agent` command line: arguments, configuration precedence, signals, exit codes.
 
-This version validates the rule library (`--check`); tailing and shipping to the correlator
-arrive with the live agent. Nothing below this module calls sys.exit.
+Nothing below this module calls sys.exit. Exit codes: 0 clean stop, 1 runtime failure,
+2 configuration or usage error.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import logging
+import os
+import signal
 import sys
 from collections.abc import Sequence
+from typing import Any
+
+from prometheus_client import CollectorRegistry, start_http_server
 
 from denpex_agent import __version__
-from denpex_agent.errors import RuleError
-from denpex_agent.matcher import Matcher
-from denpex_agent.rules import load_rules
+from denpex_agent.config import _FIELD_TYPES, AgentConfig, load_config, parse_listen
+from denpex_agent.errors import ConfigError, LayoutError, RuleError
+
+log = logging.getLogger("denpex_agent")
+
+_HELP = {
+    "job": "job id (required): events go to denpex/v1/jobs/<job>/events",
+    "node": "node name (default: the host name)",
+    "logs": "glob of rank log files; repeatable; '**' recurses (required)",
+    "agent_id": "agent id on the wire (default: the node name)",
+    "broker": "mqtt://[user:pass@]host:port or mqtts://… (default mqtt://127.0.0.1:1883)",
+    "state_dir": "where checkpoints live (default ./denpex-agent-state)",
+    "layout": "path template naming rank/local_rank, relative to the glob's folder, e.g. 'rank{rank}.log'",
+    "rules": "rule library folder (default: the bundled library)",
+    "metrics_listen": "HOST:PORT for a Prometheus endpoint with the agent's own metrics",
+    "mqtt_version": "auto (5, falling back to 3.1.1), 5 or 3.1.1",
+}
+
+_EPILOG = """\
+Configuration precedence: flags > DENPEX_* environment variables > --config TOML file > defaults.
+Every key has one name: batch_max_bytes in the file, DENPEX_BATCH_MAX_BYTES, --batch-max-bytes.
+
+example:
+  denpex-agent --job job-4711 --node "$(hostname)" --logs '/var/log/train/rank*.log' \\
+               --broker mqtt://denpexd.example:1883 --state-dir /var/lib/denpex-agent
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="denpex-agent",
+        description="Follow this node's rank logs, match failure signatures, ship events to denpexd over MQTT.",
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--version", action="version", version=f"denpex-agent {__version__}")
+    p.add_argument(
+        "--config", metavar="FILE", help="TOML configuration file (keys as below; or under [agent])"
+    )
+    p.add_argument("--check", action="store_true", help="validate configuration and rules, print them, exit")
+    for key, typ in _FIELD_TYPES.items():
+        flag = "--" + key.replace("_", "-")
+        if typ is tuple:
+            p.add_argument(flag, action="append", metavar="GLOB", help=_HELP.get(key))
+        else:
+            p.add_argument(flag, metavar=key.upper(), help=_HELP.get(key, f"(default: {_default(key)})"))
+    return p
+
+
+def _default(key: str) -> Any:
+    field = AgentConfig.__dataclass_fields__[key]
+    return field.default
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="denpex-agent",
-        description="Per-node Denpex agent. This version only validates its configuration (--check); "
-        "for post-mortem diagnosis use `denpexd diagnose LOGDIR`.",
-    )
-    p.add_argument("--version", action="version", version=f"denpex-agent {__version__}")
-    p.add_argument("--check", action="store_true", help="load and compile the rules, then exit")
-    p.add_argument("--rules", metavar="DIR", help="rule library folder (default: the bundled library)")
-    args = p.parse_args(argv)
-    if not args.check:
-        print("denpex-agent: live tailing is not available in this version; use --check", file=sys.stderr)
-        return 2
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    flags = {k: getattr(args, k) for k in _FIELD_TYPES}
     try:
-        rules = load_rules(args.rules)
-        matcher = Matcher(rules)
-    except RuleError as exc:
-        print(f"denpex-agent: invalid rules: {exc}", file=sys.stderr)
+        cfg = load_config(flags, config_file=args.config or os.environ.get("DENPEX_CONFIG"))
+    except ConfigError as exc:
+        print(f"denpex-agent: configuration error: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=cfg.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        from denpex_agent.agent import Agent
+
+        registry = CollectorRegistry()
+        agent = Agent(cfg, registry)
+    except (RuleError, LayoutError) as exc:
+        print(f"denpex-agent: {exc}", file=sys.stderr)
+        return 2
+    if args.check:
+        accel = "hyperscan" if agent.matcher.accelerated else "python re (slow)"
+        print(
+            f"denpex-agent: ok: job={cfg.job} node={cfg.node} agent={cfg.agent} broker={cfg.broker_url.redacted()} "
+            f"logs={list(cfg.logs)} rules={len(agent.matcher.ruleset)} ({accel}) state_dir={cfg.state_dir}"
+        )
+        return 0
+    if cfg.metrics_listen:
+        host, port = parse_listen(cfg.metrics_listen)
+        try:
+            start_http_server(port, addr=host, registry=registry)
+        except OSError as exc:
+            print(f"denpex-agent: cannot listen on {cfg.metrics_listen}: {exc.strerror}", file=sys.stderr)
+            return 2
+    try:
+        asyncio.run(_run(agent))
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:
+        log.exception("agent failed error=%s", exc)
         return 1
-    accel = "hyperscan" if matcher.accelerated else "python re (slow)"
-    print(f"denpex-agent: ok: {len(rules)} rules compiled ({accel})")
     return 0
+
+
+async def _run(agent: Any) -> None:
+    loop = asyncio.get_running_loop()
+    main_task = asyncio.current_task()
+    signals = {"count": 0}
+
+    def on_stop(signame: str) -> None:
+        signals["count"] += 1
+        if signals["count"] == 1:
+            log.info("stopping; flushing what was read signal=%s", signame)
+            agent.request_stop()
+        else:
+            log.warning("second signal; stopping now signal=%s", signame)
+            if main_task is not None:
+                main_task.cancel()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_stop, sig.name)
+    loop.add_signal_handler(signal.SIGHUP, agent.reload_rules)
+    log.info(
+        "agent starting job=%s node=%s agent=%s broker=%s logs=%s",
+        agent.cfg.job,
+        agent.cfg.node,
+        agent.cfg.agent,
+        agent.cfg.broker_url.redacted(),
+        ",".join(agent.cfg.logs),
+    )
+    await agent.run()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -49,7 +50,20 @@ class Event:
 def file_identity(dev: int, inode: int, head: bytes) -> str:
     """Identity of a file that survives renames: device, inode and a hash of its first bytes."""
     digest = hashlib.blake2b(head, digest_size=8).hexdigest()
-    return f"{dev:x}:{inode:x}:{digest}"
+    return f"{dev:x}:{inode:x}:{len(head)}:{digest}"
+
+
+def identity_matches(identity: str, dev: int, inode: int, read_head: Callable[[int], bytes]) -> bool:
+    """Whether ``identity`` names this (dev, inode) whose first bytes are still the same."""
+    parts = identity.split(":")
+    if len(parts) != 4 or parts[0] != f"{dev:x}" or parts[1] != f"{inode:x}":
+        return False
+    try:
+        n = int(parts[2])
+    except ValueError:
+        return False
+    head = read_head(n)
+    return len(head) == n and hashlib.blake2b(head, digest_size=8).hexdigest() == parts[3]
 
 
 def event_id(agent: str, identity: str, offset: int, kind: str = "match") -> str:

@@ -12,11 +12,16 @@ over the chunk: correct, much slower, and announced once with a warning.
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import os
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
+
+import orjson
 
 from denpex_agent.rules import ROLES, Rule, RuleSet
 
@@ -28,6 +33,7 @@ try:
 except ImportError:  # pragma: no cover - exercised only where the wheel is missing
     _hs = None
 
+_CACHE_FORMAT = 1
 _NAMED_GROUP = re.compile(r"\(\?P<[A-Za-z_][A-Za-z0-9_]*>")
 _ROLE_ORDER = {role: i for i, role in enumerate(ROLES)}
 
@@ -49,37 +55,58 @@ def _preference(rule: Rule) -> tuple[int, int]:
 
 
 class _Database:
-    """One multi-pattern scanner over a list of (rule index, pattern, ignore_case)."""
+    """One multi-pattern scanner over a list of (rule index, pattern, ignore_case).
+
+    Compiling ~170 patterns (and probing each for the form hyperscan accepts) costs a few tenths
+    of a second, so the result is cached on disk, keyed by the patterns and the hyperscan
+    version; a missing or unwritable cache only costs the compile."""
 
     def __init__(self, entries: Sequence[tuple[int, str, bool]]) -> None:
         self._owner: list[int] = []
         self._slow: list[tuple[int, re.Pattern[bytes]]] = []
         self._db: Any = None
+        if _hs is None:
+            self._slow = [(i, _bytes_regex(p, ic)) for i, p, ic in entries]
+            return
+        key = hashlib.sha256(
+            orjson.dumps([_CACHE_FORMAT, getattr(_hs, "__version__", "?"), list(entries)])
+        ).hexdigest()
+        if self._load(key, entries):
+            return
+        self._compile(entries)
+        self._store(key)
+
+    def _compile(self, entries: Sequence[tuple[int, str, bool]]) -> None:
         expressions: list[bytes] = []
         flags: list[int] = []
         for rule_idx, pattern, ignore_case in entries:
-            if _hs is None:
-                self._slow.append((rule_idx, _bytes_regex(pattern, ignore_case)))
-                continue
-            expr = _NAMED_GROUP.sub("(?:", pattern).encode()
+            # "...[^\n]*$" makes a pattern report once per line (at its end) instead of once
+            # per possible end position of its optional parts; patterns hyperscan cannot take in
+            # that form go in as they are, or approximated (prefilter mode, verified later).
+            plain = _NAMED_GROUP.sub("(?:", pattern)
             base = _hs.HS_FLAG_MULTILINE | (_hs.HS_FLAG_CASELESS if ignore_case else 0)
-            chosen = None
-            for extra in (0, _hs.HS_FLAG_PREFILTER):
+            chosen: tuple[bytes, int] | None = None
+            for text, extra in (
+                ("(?:" + plain + ")[^\n]*$", 0),
+                (plain, 0),
+                ("(?:" + plain + ")[^\n]*$", _hs.HS_FLAG_PREFILTER),
+                (plain, _hs.HS_FLAG_PREFILTER),
+            ):
                 try:
                     probe = _hs.Database()
-                    probe.compile(expressions=[expr], ids=[0], elements=1, flags=[base | extra])
+                    probe.compile(expressions=[text.encode()], ids=[0], elements=1, flags=[base | extra])
                 except Exception:
                     continue
-                chosen = base | extra
+                chosen = (text.encode(), base | extra)
                 break
             if chosen is None:
                 log.warning("pattern runs without hyperscan (slower) pattern=%s", pattern)
                 self._slow.append((rule_idx, _bytes_regex(pattern, ignore_case)))
                 continue
-            expressions.append(expr)
-            flags.append(chosen)
+            expressions.append(chosen[0])
+            flags.append(chosen[1])
             self._owner.append(rule_idx)
-        if expressions and _hs is not None:
+        if expressions:
             self._db = _hs.Database()
             self._db.compile(
                 expressions=expressions,
@@ -87,6 +114,38 @@ class _Database:
                 elements=len(expressions),
                 flags=flags,
             )
+
+    def _load(self, key: str, entries: Sequence[tuple[int, str, bool]]) -> bool:
+        path = _cache_dir() / f"{key}.hsdb"
+        try:
+            raw = path.read_bytes()
+            n = int.from_bytes(raw[:4], "big")
+            meta = orjson.loads(raw[4 : 4 + n])
+            self._db = None
+            if meta["has_db"]:
+                db = _hs.loadb(raw[4 + n :], _hs.HS_MODE_BLOCK)
+                db.scratch = _hs.Scratch(db)
+                self._db = db
+        except Exception:  # missing or damaged: never worse than no cache
+            return False
+        by_idx = {i: (p, ic) for i, p, ic in entries}
+        self._owner = list(meta["owner"])
+        self._slow = [(i, _bytes_regex(*by_idx[i])) for i in meta["slow"]]
+        return True
+
+    def _store(self, key: str) -> None:
+        try:
+            meta = orjson.dumps(
+                {"owner": self._owner, "slow": [i for i, _ in self._slow], "has_db": self._db is not None}
+            )
+            blob = _hs.dumpb(self._db) if self._db is not None else b""
+            d = _cache_dir()
+            d.mkdir(parents=True, exist_ok=True)
+            tmp = d / f".{key}.{os.getpid()}.tmp"
+            tmp.write_bytes(len(meta).to_bytes(4, "big") + meta + blob)
+            os.replace(tmp, d / f"{key}.hsdb")
+        except Exception as exc:  # read-only home, full disk: just compile next time
+            log.debug("pattern database cache not written error=%s", exc)
 
     def scan(self, data: bytes, on_hit: Callable[[int, int], bool | None]) -> None:
         """Call ``on_hit(rule_index, end_offset)`` for candidate matches; a true return stops."""
@@ -104,6 +163,11 @@ class _Database:
             for m in rx.finditer(data):
                 if on_hit(rule_idx, max(m.end(), m.start() + 1)):
                     return
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "denpex"
 
 
 def _bytes_regex(pattern: str, ignore_case: bool) -> re.Pattern[bytes]:
@@ -145,11 +209,12 @@ class Matcher:
     def scan(self, buf: bytes, limit: int | None = None) -> list[Hit]:
         """Verified failure-rule hits in ``buf[:limit]``, one per line, in buffer order."""
         limit = len(buf) if limit is None else limit
-        data = buf if limit == len(buf) else buf[:limit]
+        data = buf  # scanned whole (no copy); hits past ``limit`` belong to the next call
         raw: list[tuple[int, int]] = []
 
         def collect(idx: int, to: int) -> None:
-            raw.append((to, idx))
+            if to <= limit:
+                raw.append((to, idx))
 
         self._db.scan(data, collect)
         if not raw:

@@ -13,6 +13,7 @@ A fold that is still open at the end of a chunk is carried into the next one.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -75,6 +76,8 @@ class LineScanner:
         context_lines: int = 100,
         progress_stride: int = 0,
         progress_window: int = 4096,
+        progress_interval: float = 0.0,
+        clock: Callable[[], float] | None = None,
         max_line_bytes: int = 1 << 20,
     ) -> None:
         self.matcher = matcher
@@ -92,6 +95,33 @@ class LineScanner:
         self._skip_long = False
         self._next_progress = start_offset
         self._last_progress_offset = -1
+        # time-based sampling (live): the newest step line, emitted at most every interval
+        self.progress_interval = progress_interval
+        self._clock = clock
+        self._pending_progress: Event | None = None
+        self._last_emit = -1e18
+
+    def prime(self, before: bytes) -> None:
+        """Resume after a restart: the bytes just before the start offset give context lines
+        and the last timestamp, as if the scanner had read them."""
+        nl = before.find(b"\n")
+        tail = before[nl + 1 :] if nl >= 0 else b""
+        self._tail = tail[-TAIL_BYTES:]
+        ts = self._scan_back_ts(self._tail, len(self._tail))
+        if ts is not None:
+            self._last_ts = ts
+
+    def last_ts(self) -> float | None:
+        return self._last_ts
+
+    def due_progress(self) -> list[Event]:
+        """The newest step line not sent yet, once the sampling interval has passed."""
+        ev = self._pending_progress
+        if ev is None or self._clock is None or self._clock() - self._last_emit < self.progress_interval:
+            return []
+        self._pending_progress = None
+        self._last_emit = self._clock()
+        return [ev]
 
     @property
     def offset(self) -> int:
@@ -132,6 +162,17 @@ class LineScanner:
             events.extend(events2)
             rest = rest[consumed2:]
         self._buf = rest
+        return events
+
+    def flush(self) -> list[Event]:
+        """The file went quiet: close an open fold (a traceback ends where the data ends) but
+        keep an unfinished last line. Live tailing calls this after a short idle time."""
+        buf = self._buf
+        cut = buf.rfind(b"\n") + 1
+        if cut == 0:
+            return []
+        events, consumed = self._process(buf, cut, final=True)
+        self._buf = buf[consumed:]
         return events
 
     def finish(self) -> list[Event]:
@@ -201,17 +242,19 @@ class LineScanner:
         return events, consumed
 
     def _advance(self, buf: bytes, consumed: int) -> None:
-        done = buf[:consumed]
-        n = done.count(b"\n")
+        n = buf.count(b"\n", 0, consumed)
         self.stats.lines += n
         self._line_no += n
-        tail = self._tail + done if len(done) < TAIL_BYTES else done
+        tail = (
+            buf[consumed - TAIL_BYTES : consumed] if consumed >= TAIL_BYTES else self._tail + buf[:consumed]
+        )
         if len(tail) > TAIL_BYTES:
             tail = tail[-TAIL_BYTES:]
+        if len(tail) >= TAIL_BYTES:  # start at a line boundary
             nl = tail.find(b"\n")
             tail = tail[nl + 1 :] if nl >= 0 else b""
         self._tail = tail
-        ts = self._scan_back_ts(done, len(done))
+        ts = self._scan_back_ts(buf, consumed)
         if ts is not None:
             self._last_ts = ts
         self._base += consumed
@@ -409,6 +452,15 @@ class LineScanner:
 
     def _sample_progress(self, buf: bytes, consumed: int, counter: _LineCounter) -> list[Event]:
         hits: list[Hit] = []
+        if self.progress_interval > 0 and self._clock is not None:
+            for window in (4096, 65536, consumed):
+                got = self.matcher.progress(buf, max(consumed - window, 0), consumed, first_only=False)
+                if got:
+                    self._pending_progress = self._progress_event(buf, got[-1], counter)
+                    break
+                if window >= consumed:
+                    break
+            return self.due_progress()
         if self.progress_stride <= 0:
             hits = self.matcher.progress(buf, 0, consumed, first_only=False)
         else:
@@ -427,7 +479,11 @@ class LineScanner:
         tail = self._tail
         if not tail:
             return []
-        hits = self.matcher.progress(tail, 0, len(tail), first_only=False)
+        hits: list[Hit] = []
+        for window in (4096, 32768, len(tail)):
+            hits = self.matcher.progress(tail, max(len(tail) - window, 0), len(tail), first_only=False)
+            if hits or window >= len(tail):
+                break
         if not hits:
             return []
         last = hits[-1]

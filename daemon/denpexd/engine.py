@@ -23,7 +23,7 @@ from denpexd.clock import ClockEstimate, align
 ERROR = SEVERITIES.index("error")
 WARNING = SEVERITIES.index("warning")
 LOOKBACK_S = 300.0
-MAX_SAMPLES = 4096
+MAX_SAMPLES = 1024
 MAX_DATA_TIMES = 1024
 STRAGGLER_RATIO = 3.0
 STRAGGLER_MIN_S = 0.05
@@ -106,6 +106,7 @@ class Engine:
         self.local_ranks: dict[tuple[str, int], int] = {}  # (node, local_rank) -> global rank
         self.agent_offsets: dict[str, tuple[float, float]] = {}
         self.events_seen = 0
+        self.rank_events: dict[tuple[str, int | None], int] = {}  # rule events per (node, rank)
         self._seq = 0
 
     # -- input ----------------------------------------------------------------------------------
@@ -132,6 +133,8 @@ class Engine:
         if ev.rank is not None:
             self._track(ev.node, ev.rank)
         key = (ev.node, ev.rank, ev.rule)
+        nr = (ev.node, ev.rank)
+        self.rank_events[nr] = self.rank_events.get(nr, 0) + 1
         agg = self.aggs.get(key)
         if agg is None:
             self.aggs[key] = Aggregate(first=ev, last_ts=ev.ts, seq=self._seq)
@@ -486,7 +489,7 @@ class Engine:
                     "rank": rank,
                     "last_step": t.last_step,
                     "last_step_time": format_iso(at) if at is not None else None,
-                    "events": sum(a.count for (n, r, _), a in self.aggs.items() if (n, r) == (node, rank)),
+                    "events": self.rank_events.get((node, rank), 0),
                 }
             )
         return rows

@@ -2,12 +2,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from denpex_agent.events import Event
 from denpex_agent.matcher import Matcher
 from denpex_agent.reader import ReadReport, discover, read_files
+from denpex_agent.rules import RuleSet
 from denpex_agent.scanner import LineScanner, Source
 
 LOG = (
@@ -183,3 +185,27 @@ def test_rotated_files_are_read_oldest_first(unit_matcher: Matcher, tmp_path: Pa
         "node1/rank0.log.1",
         "node1/rank0.log",
     ]
+
+
+def test_flush_closes_a_traceback_at_the_end_of_the_data(unit_matcher: Matcher) -> None:
+    sc = LineScanner(unit_matcher, _source())
+    data = b"Traceback (most recent call last):\n  File 'x', line 1\nKeyError: 'k'\npartial line without newl"
+    assert sc.feed(data) == []  # the block might go on
+    events = sc.flush()
+    assert [e.rule for e in events] == ["python-traceback"]
+    assert events[0].fields["exception"] == "KeyError: 'k'"
+    assert sc.pending == len(b"partial line without newl")
+
+
+def test_pattern_database_cache_round_trip_and_damage(
+    unit_rules: RuleSet, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    data = LOG.encode()
+    fresh = [(h.rule.id, h.start) for h in Matcher(unit_rules).scan(data)]
+    cached_files = list((tmp_path / "denpex").glob("*.hsdb"))
+    assert cached_files, "the compiled database is cached"
+    assert [(h.rule.id, h.start) for h in Matcher(unit_rules).scan(data)] == fresh
+    for f in cached_files:
+        f.write_bytes(b"\x00\x00\x00\x05garbage")
+    assert [(h.rule.id, h.start) for h in Matcher(unit_rules).scan(data)] == fresh

@@ -1,0 +1,200 @@
+"""The agent's only MQTT module: one supervised aiomqtt connection, QoS 1 publishing.
+
+`Publisher` keeps a connection up (MQTT v5, falling back to 3.1.1 when the broker refuses v5),
+reconnects with exponential backoff and jitter, registers a last will (``offline``, retained) so
+the correlator learns when the agent dies, announces ``online`` on every connect, and delivers
+clock replies to a callback. `publish()` returns only after the broker's PUBACK, retrying across
+reconnects: that is the guarantee checkpoints are built on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import ssl
+import time
+from collections.abc import Callable
+from types import TracebackType
+
+import aiomqtt
+
+from denpex_agent import wire
+from denpex_agent.config import AgentConfig
+from denpex_agent.errors import DenpexAgentError
+
+log = logging.getLogger(__name__)
+
+BACKOFF_MIN_S = 0.2
+BACKOFF_MAX_S = 10.0
+PUBLISH_TIMEOUT_S = 10.0
+
+
+class PublishError(DenpexAgentError):
+    def __init__(self, topic: str, reason: str) -> None:
+        self.topic = topic
+        self.reason = reason
+        super().__init__(f"publish to {topic} failed: {reason}")
+
+
+class Publisher:
+    """``async with Publisher(cfg, on_clock_reply) as pub: await pub.publish(topic, payload)``."""
+
+    def __init__(
+        self, cfg: AgentConfig, on_clock_reply: Callable[[bytes, float], None] | None = None
+    ) -> None:
+        self.cfg = cfg
+        self.url = cfg.broker_url
+        self.on_clock_reply = on_clock_reply
+        self._client: aiomqtt.Client | None = None
+        self._connected = asyncio.Event()
+        self._stopping = False
+        self._task: asyncio.Task[None] | None = None
+        self._protocol = self._initial_protocol()
+        self.connects = 0
+        self.failures = 0
+
+    def _initial_protocol(self) -> aiomqtt.ProtocolVersion:
+        return (
+            aiomqtt.ProtocolVersion.V311 if self.cfg.mqtt_version == "3.1.1" else aiomqtt.ProtocolVersion.V5
+        )
+
+    @property
+    def connected(self) -> bool:
+        return self._connected.is_set()
+
+    async def __aenter__(self) -> Publisher:
+        self._task = asyncio.create_task(self._supervise(), name="mqtt-connection")
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.close()
+
+    async def close(self, announce: bool = True) -> None:
+        """Say ``offline`` (when connected and ``announce``) and disconnect."""
+        self._stopping = True
+        client = self._client
+        if announce and client is not None and self.connected:
+            with contextlib.suppress(aiomqtt.MqttError, TimeoutError):
+                await client.publish(
+                    wire.status_topic(self.cfg.job, self.cfg.agent),
+                    wire.encode_status(self.cfg.agent, self.cfg.node, "offline", time.time()),
+                    qos=1,
+                    retain=True,
+                    timeout=2.0,
+                )
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    def _client_for(self, protocol: aiomqtt.ProtocolVersion) -> aiomqtt.Client:
+        cfg, url = self.cfg, self.url
+        tls_context = None
+        if url.tls:
+            tls_context = ssl.create_default_context(cafile=cfg.ca_file)
+            if cfg.cert_file and cfg.key_file:
+                tls_context.load_cert_chain(cfg.cert_file, cfg.key_file)
+        will = aiomqtt.Will(
+            topic=wire.status_topic(cfg.job, cfg.agent),
+            payload=wire.encode_status(cfg.agent, cfg.node, "offline", 0.0),
+            qos=1,
+            retain=True,
+        )
+        return aiomqtt.Client(
+            url.host,
+            url.port,
+            username=cfg.username or url.username,
+            password=cfg.password or url.password,
+            identifier=f"denpex-agent-{cfg.agent}",
+            protocol=protocol,
+            will=will,
+            tls_context=tls_context,
+            keepalive=15,
+            timeout=PUBLISH_TIMEOUT_S,
+        )
+
+    async def _supervise(self) -> None:
+        delay = BACKOFF_MIN_S
+        while not self._stopping:
+            client = self._client_for(self._protocol)
+            try:
+                async with client:
+                    self._client = client
+                    self.connects += 1
+                    delay = BACKOFF_MIN_S
+                    await client.subscribe(wire.clock_reply_topic(self.cfg.agent), qos=1)
+                    await client.publish(
+                        wire.status_topic(self.cfg.job, self.cfg.agent),
+                        wire.encode_status(self.cfg.agent, self.cfg.node, "online", time.time()),
+                        qos=1,
+                        retain=True,
+                    )
+                    self._connected.set()
+                    log.info(
+                        "connected to broker broker=%s protocol=%s", self.url.redacted(), self._protocol.name
+                    )
+                    async for message in client.messages:
+                        if self.on_clock_reply is not None and isinstance(message.payload, bytes):
+                            self.on_clock_reply(message.payload, time.time())
+            except aiomqtt.MqttError as exc:
+                self.failures += 1
+                if (
+                    self.cfg.mqtt_version == "auto"
+                    and self._protocol == aiomqtt.ProtocolVersion.V5
+                    and "protocol" in str(exc).lower()
+                ):
+                    log.warning(
+                        "broker refused MQTT v5; falling back to 3.1.1 broker=%s", self.url.redacted()
+                    )
+                    self._protocol = aiomqtt.ProtocolVersion.V311
+                    continue
+                log.warning(
+                    "broker connection lost; reconnecting broker=%s error=%s delay_s=%.2f",
+                    self.url.redacted(),
+                    exc,
+                    delay,
+                )
+            finally:
+                self._connected.clear()
+                self._client = None
+            if self._stopping:
+                break
+            await asyncio.sleep(delay * random.uniform(0.5, 1.5))
+            delay = min(delay * 2, BACKOFF_MAX_S)
+
+    async def wait_connected(self, seconds: float | None = None) -> bool:
+        try:
+            await asyncio.wait_for(self._connected.wait(), seconds)
+        except TimeoutError:
+            return False
+        return True
+
+    async def publish(self, topic: str, payload: bytes, retain: bool = False) -> None:
+        """Deliver at least once: returns after PUBACK, retrying across reconnects."""
+        while True:
+            if self._stopping and not self._connected.is_set():
+                raise PublishError(topic, "publisher is closed")
+            await self._connected.wait()
+            client = self._client
+            if client is None:
+                continue
+            try:
+                await client.publish(topic, payload, qos=1, retain=retain, timeout=PUBLISH_TIMEOUT_S)
+                return
+            except (aiomqtt.MqttError, TimeoutError) as exc:
+                # the supervisor notices a dead connection and reconnects; until then, retry
+                log.warning("publish failed; retrying topic=%s error=%s", topic, exc)
+                await asyncio.sleep(0.1)
+
+    async def publish_nowait_ack(self, topic: str, payload: bytes) -> None:
+        """Best effort, for clock requests: one try when connected, nothing otherwise."""
+        client = self._client
+        if client is None or not self.connected:
+            return
+        with contextlib.suppress(aiomqtt.MqttError, TimeoutError):
+            await client.publish(topic, payload, qos=0, timeout=2.0)

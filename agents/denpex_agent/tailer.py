@@ -1,0 +1,369 @@
+"""Follow every file matching the agent's globs: appends, new files, rotation, truncation.
+
+`Tailer.poll()` is synchronous and is run in a worker thread by the agent; it reads what is new
+in every followed file (up to a budget), feeds it through that file's `LineScanner` and returns
+events plus *marks* — the offset up to which a file's bytes are fully turned into events. A mark
+is what the checkpoint may advance to once every event before it was acknowledged.
+
+Files are keyed by identity (device, inode, hash of their first bytes), never by path:
+
+* rename rotation: the old file keeps being read to its end (then closed after a grace period),
+  the new file at the path is picked up by the next discovery;
+* copytruncate: a size below the read position, or first bytes that changed, restart the file
+  at offset 0 under a new identity (the lines written after the copy are read, not lost);
+* deletion: read to the end, then closed; a glob matching nothing, a directory, a dangling
+  link or an unreadable file: one warning per path, counted, retried at the next discovery.
+"""
+
+from __future__ import annotations
+
+import glob
+import logging
+import os
+import stat
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import BinaryIO
+
+from denpex_agent.attribution import Attribution, Layout, attribute_path, dominant_rank
+from denpex_agent.checkpoint import Checkpoints
+from denpex_agent.events import Event, file_identity, identity_matches
+from denpex_agent.matcher import Matcher
+from denpex_agent.reader import is_log_name
+from denpex_agent.scanner import TAIL_BYTES, LineScanner, Source
+
+log = logging.getLogger(__name__)
+
+HEAD_BYTES = 256
+DRAIN_GRACE_S = 2.0
+FOLD_IDLE_S = 0.3  # a traceback still open after this much quiet is complete
+
+
+@dataclass(frozen=True, slots=True)
+class Mark:
+    identity: str
+    path: str
+    offset: int
+    line_no: int
+
+
+@dataclass(slots=True)
+class Followed:
+    path: str
+    fh: BinaryIO
+    dev: int
+    ino: int
+    identity: str
+    head_len: int
+    scanner: LineScanner
+    pos: int
+    draining: bool = False
+    last_growth: float = 0.0
+    last_heartbeat: float = 0.0
+    last_seen: tuple[int, int] = (-1, -1)
+
+
+@dataclass(slots=True)
+class TailStats:
+    files_opened: int = 0
+    files_closed: int = 0
+    rotations: int = 0
+    truncations: int = 0
+    bytes_read: int = 0
+    lines_read: int = 0
+    truncated_lines: int = 0
+    warnings: dict[str, int] = field(default_factory=dict)
+
+
+class Tailer:
+    def __init__(
+        self,
+        globs: tuple[str, ...],
+        matcher: Matcher,
+        checkpoints: Checkpoints,
+        *,
+        job: str,
+        node: str,
+        agent: str,
+        layout: Layout | None = None,
+        context_lines: int = 100,
+        max_line_bytes: int = 1 << 20,
+        read_chunk: int = 1 << 20,
+        progress_interval: float = 1.0,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.globs = globs
+        self.matcher = matcher
+        self.checkpoints = checkpoints
+        self.job, self.node, self.agent = job, node, agent
+        self.layout = layout
+        self.context_lines = context_lines
+        self.max_line_bytes = max_line_bytes
+        self.read_chunk = read_chunk
+        self.progress_interval = progress_interval
+        self.clock = clock
+        self.files: list[Followed] = []
+        self.stats = TailStats()
+        self._warned: set[tuple[str, str]] = set()
+
+    # -- warnings -------------------------------------------------------------------------------
+
+    def _warn(self, path: str, reason: str, message: str) -> None:
+        self.stats.warnings[reason] = self.stats.warnings.get(reason, 0) + 1
+        if (path, reason) not in self._warned:
+            self._warned.add((path, reason))
+            log.warning("%s path=%s", message, path)
+
+    # -- discovery ------------------------------------------------------------------------------
+
+    def discover(self) -> None:
+        """Open files that match the globs and are not followed yet; notice rotations."""
+        for f in self.files:
+            if f.draining:
+                continue
+            try:
+                st = os.stat(f.path)
+                moved = (st.st_dev, st.st_ino) != (f.dev, f.ino)
+            except OSError:
+                moved = True
+            if moved:
+                f.draining = True
+                self.stats.rotations += 1
+                log.info("file rotated or removed; reading it to its end path=%s", f.path)
+        followed_ids = {(f.dev, f.ino) for f in self.files}
+        followed_paths = {f.path for f in self.files if not f.draining}
+        for pattern in self.globs:
+            matches = sorted(glob.glob(pattern, recursive=True))
+            if not matches:
+                self._warn(pattern, "glob-empty", "no file matches the pattern (yet)")
+                continue
+            for path in matches:
+                if path in followed_paths:
+                    continue
+                self._maybe_open(path, pattern, followed_ids)
+
+    def _maybe_open(self, path: str, pattern: str, followed_ids: set[tuple[int, int]]) -> None:
+        try:
+            st = os.stat(path)
+        except OSError as exc:
+            self._warn(path, "stat-failed", f"cannot stat ({exc.strerror})")
+            return
+        if stat.S_ISDIR(st.st_mode):
+            if is_log_name(os.path.basename(path)):
+                self._warn(path, "not-a-file", "a directory where a log file was expected")
+            return
+        if not stat.S_ISREG(st.st_mode):
+            self._warn(path, "not-a-file", "not a regular file; skipped")
+            return
+        if (st.st_dev, st.st_ino) in followed_ids:
+            return  # a rotated name of a file already followed
+        try:
+            fh = open(path, "rb")  # noqa: SIM115 - kept open while followed
+        except OSError as exc:
+            self._warn(path, "open-failed", f"cannot open ({exc.strerror})")
+            return
+        try:
+            self._follow(path, pattern, fh, st)
+        except OSError as exc:
+            fh.close()
+            self._warn(path, "open-failed", f"cannot read ({exc.strerror})")
+        followed_ids.add((st.st_dev, st.st_ino))
+
+    def _follow(self, path: str, pattern: str, fh: BinaryIO, st: os.stat_result) -> None:
+        def read_head(n: int) -> bytes:
+            return os.pread(fh.fileno(), n, 0)
+
+        start, line_no, identity = 0, 1, None
+        for ident in list(self.checkpoints.positions):
+            if identity_matches(ident, st.st_dev, st.st_ino, read_head):
+                pos = self.checkpoints.positions[ident]
+                if pos.offset <= st.st_size:
+                    start, line_no, identity = pos.offset, pos.line_no, ident
+                break
+        head = read_head(HEAD_BYTES)
+        if identity is None:
+            identity = file_identity(st.st_dev, st.st_ino, head)
+        scanner = self._scanner(path, pattern, identity, head, start, line_no)
+        if start > 0:
+            before = os.pread(fh.fileno(), min(start, TAIL_BYTES), start - min(start, TAIL_BYTES))
+            scanner.prime(before)
+        fh.seek(start)
+        now = self.clock()
+        self.files.append(
+            Followed(
+                path, fh, st.st_dev, st.st_ino, identity, _head_len(identity), scanner, start, last_growth=now
+            )
+        )
+        self.stats.files_opened += 1
+        log.info("following file path=%s offset=%d identity=%s", path, start, identity)
+
+    def _attribution(self, path: str, pattern: str, head: bytes) -> Attribution:
+        base = _static_prefix(pattern)
+        rel = os.path.relpath(path, base) if base else path
+        who = self.layout.match(rel) if self.layout is not None else None
+        if who is None:
+            who = attribute_path(rel)
+        rank = who.rank if who.rank is not None else dominant_rank(head)
+        return Attribution(node=self.node, rank=rank, local_rank=who.local_rank)
+
+    def _scanner(
+        self, path: str, pattern: str, identity: str, head: bytes, start: int, line_no: int
+    ) -> LineScanner:
+        with open(path, "rb") as fh:
+            sample = fh.read(64 * 1024)
+        who = self._attribution(path, pattern, sample or head)
+        source = Source(
+            job=self.job,
+            agent=self.agent,
+            node=self.node,
+            rank=who.rank,
+            local_rank=who.local_rank,
+            file=path,
+            identity=identity,
+            default_year=time.gmtime(self.clock()).tm_year,
+            ref_epoch=self.clock(),
+        )
+        return LineScanner(
+            self.matcher,
+            source,
+            start_offset=start,
+            start_line=line_no,
+            context_lines=self.context_lines,
+            progress_interval=self.progress_interval,
+            clock=self.clock,
+            max_line_bytes=self.max_line_bytes,
+        )
+
+    # -- reading --------------------------------------------------------------------------------
+
+    def poll(self, budget: int) -> tuple[list[Event], list[Mark], bool]:
+        """Read new bytes of every file, at most ``budget`` in all. Returns (events, marks, more)
+        where ``more`` says some file still has unread bytes."""
+        events: list[Event] = []
+        marks: list[Mark] = []
+        more = False
+        now = self.clock()
+        for f in list(self.files):
+            f.scanner.matcher = self.matcher  # a reload swaps the matcher between polls
+            if budget <= 0:
+                more = True
+                break
+            try:
+                st = os.fstat(f.fh.fileno())
+                if self._truncated(f, st):
+                    events.extend(f.scanner.finish())
+                    self._restart(f)
+                    st = os.fstat(f.fh.fileno())
+                size = st.st_size
+                got = 0
+                while f.pos < size and budget > 0:
+                    data = f.fh.read(min(self.read_chunk, budget))
+                    if not data:
+                        break
+                    f.pos += len(data)
+                    got += len(data)
+                    budget -= len(data)
+                    events.extend(f.scanner.feed(data))
+                    marks.append(Mark(f.identity, f.path, f.scanner.offset, f.scanner.line_no))
+                if f.pos < size:
+                    more = True
+                if got:
+                    f.last_growth = now
+                    self.stats.bytes_read += got
+                else:
+                    events.extend(f.scanner.due_progress())
+                    if f.scanner.pending and now - f.last_growth >= FOLD_IDLE_S:
+                        events.extend(f.scanner.flush())
+                        marks.append(Mark(f.identity, f.path, f.scanner.offset, f.scanner.line_no))
+            except OSError as exc:
+                self._warn(f.path, "read-failed", f"read failed ({exc.strerror}); file closed")
+                self._close(f, events, marks)
+                continue
+            if f.draining and f.pos >= size and now - f.last_growth > DRAIN_GRACE_S:
+                self._close(f, events, marks)
+        return events, marks, more
+
+    def _truncated(self, f: Followed, st: os.stat_result) -> bool:
+        """Shrunk below the read position, or (copytruncate followed by fast regrowth, even to
+        the same size) the first bytes are no longer the ones the identity was made from."""
+        if st.st_size < f.pos:
+            return True
+        seen = (st.st_size, st.st_mtime_ns)
+        if seen == f.last_seen or not f.head_len or st.st_size < f.head_len:
+            return False
+        f.last_seen = seen
+        return not identity_matches(f.identity, f.dev, f.ino, lambda n: os.pread(f.fh.fileno(), n, 0))
+
+    def _restart(self, f: Followed) -> None:
+        self.stats.truncations += 1
+        head = os.pread(f.fh.fileno(), HEAD_BYTES, 0)
+        f.identity = file_identity(f.dev, f.ino, head)
+        f.head_len = len(head)
+        f.last_seen = (-1, -1)
+        src = f.scanner.source
+        f.scanner = LineScanner(
+            self.matcher,
+            Source(
+                src.job,
+                src.agent,
+                src.node,
+                src.rank,
+                src.local_rank,
+                src.file,
+                f.identity,
+                src.default_year,
+                src.ref_epoch,
+            ),
+            context_lines=self.context_lines,
+            progress_interval=self.progress_interval,
+            clock=self.clock,
+            max_line_bytes=self.max_line_bytes,
+        )
+        f.pos = 0
+        f.fh.seek(0)
+        log.info("file truncated; reading it again from the start path=%s identity=%s", f.path, f.identity)
+
+    def _close(self, f: Followed, events: list[Event], marks: list[Mark]) -> None:
+        events.extend(f.scanner.finish())
+        marks.append(Mark(f.identity, f.path, f.pos, f.scanner.line_no))
+        f.fh.close()
+        self.files.remove(f)
+        self.stats.files_closed += 1
+        log.info("stopped following file path=%s offset=%d", f.path, f.pos)
+
+    def lag_bytes(self) -> int:
+        total = 0
+        for f in self.files:
+            try:
+                total += max(os.fstat(f.fh.fileno()).st_size - f.pos, 0)
+            except OSError:
+                continue
+        return total
+
+    def close(self) -> None:
+        for f in self.files:
+            f.fh.close()
+        self.files.clear()
+
+
+def _head_len(identity: str) -> int:
+    """How many first bytes an identity was made from (see events.file_identity)."""
+    try:
+        return int(identity.split(":")[2])
+    except (IndexError, ValueError):
+        return 0
+
+
+def _static_prefix(pattern: str) -> str:
+    """The directory part of a glob before its first wildcard: the base for layouts."""
+    parts = Path(pattern).parts
+    out: list[str] = []
+    for p in parts:
+        if any(c in p for c in "*?["):
+            break
+        out.append(p)
+    if len(out) == len(parts):
+        out = out[:-1]
+    return str(Path(*out)) if out else ""
