@@ -42,14 +42,34 @@ from denpex_agent.tailer import Mark, Tailer
 log = logging.getLogger(__name__)
 
 CLOCK_SAMPLES = 8
+SMALL_POLL_BYTES = 256 * 1024  # steady-state reads at most this large run on the event loop
 
 
 @dataclass(slots=True)
 class _Item:
-    event: Event | None
-    mark: Mark | None
+    """What one poll produced: its events, then the marks they make safe to checkpoint."""
+
+    events: list[Event]
+    marks: list[Mark]
     size: int
     read_at: float
+
+
+def _split(events: list[Event], max_bytes: int) -> list[list[Event]]:
+    """Consecutive slices of ``events``, each within ``max_bytes`` (a single event may exceed it)."""
+    parts: list[list[Event]] = []
+    cur: list[Event] = []
+    size = 0
+    for ev in events:
+        n = _event_size(ev)
+        if cur and size + n > max_bytes:
+            parts.append(cur)
+            cur, size = [], 0
+        cur.append(ev)
+        size += n
+    if cur:
+        parts.append(cur)
+    return parts
 
 
 def _event_size(ev: Event) -> int:
@@ -88,6 +108,7 @@ class Agent:
         self._pending_clock: dict[float, float] = {}
         self._reported: dict[str, int] = {}
         self._last_heartbeat = 0.0
+        self._small_reads = False
         self.published_events = 0
 
     # -- control --------------------------------------------------------------------------------
@@ -157,16 +178,19 @@ class Agent:
                     await self._wait(self._space.wait(), cfg.poll_interval * 4)
                     continue
                 budget = min(cfg.max_inflight_bytes - self._inflight, 8 * cfg.read_chunk)
-                events, marks, more = await asyncio.to_thread(self.tailer.poll, budget)
+                if self._small_reads:  # a few KiB per file: cheaper inline than a thread hop
+                    events, marks, more = self.tailer.poll(min(budget, SMALL_POLL_BYTES))
+                    more = more or False
+                else:
+                    events, marks, more = await asyncio.to_thread(self.tailer.poll, budget)
+                self._small_reads = not more
                 read_at = time.time()
-                for ev in events:
-                    self._enqueue(_Item(ev, None, _event_size(ev), read_at))
-                for mk in marks:
-                    self._enqueue(_Item(None, mk, 0, read_at))
+                if events or marks:
+                    self._enqueue(_Item(events, marks, sum(map(_event_size, events)), read_at))
                 self._heartbeats(read_at)
                 self._update_metrics()
                 if not more:
-                    await self._wait(self._stop.wait(), cfg.poll_interval)
+                    await asyncio.sleep(cfg.poll_interval)
         finally:
             self._reading_done.set()
 
@@ -184,6 +208,7 @@ class Agent:
             return
         self._last_heartbeat = now
         est = self.clock_estimate
+        beats: list[Event] = []
         for f in self.tailer.files:
             ts = f.scanner.last_ts()
             fields: dict[str, Any] = {"agent_time": now, "lag_bytes": 0}
@@ -206,7 +231,9 @@ class Agent:
                 ts_source="line" if ts is not None else "none",
                 fields=fields,
             )
-            self._enqueue(_Item(ev, None, _event_size(ev), now))
+            beats.append(ev)
+        if beats:
+            self._enqueue(_Item(beats, [], sum(map(_event_size, beats)), now))
 
     def _update_metrics(self) -> None:
         st = self.tailer.stats
@@ -255,21 +282,21 @@ class Agent:
                     break
                 items.append(nxt)
                 size += nxt.size
-            events = [i.event for i in items if i.event is not None]
-            if events:
+            events = [e for i in items for e in i.events]
+            for part in _split(events, cfg.batch_max_bytes):
                 self._seq += 1
-                payload = wire.encode_batch(cfg.agent, cfg.job, cfg.node, self._seq, time.time(), events)
+                payload = wire.encode_batch(cfg.agent, cfg.job, cfg.node, self._seq, time.time(), part)
                 self.metrics.connected.set(1 if pub.connected else 0)
                 await pub.publish(topic, payload)
                 self.metrics.connected.set(1)
                 self.metrics.batches.inc()
                 self.metrics.publish_latency.observe(max(time.time() - items[0].read_at, 0.0))
-                for ev in events:
+                for ev in part:
                     self.metrics.events.labels(kind=ev.kind).inc()
-                self.published_events += len(events)
+                self.published_events += len(part)
             for i in items:
-                if i.mark is not None:
-                    self.checkpoints.advance(i.mark.identity, i.mark.path, i.mark.offset, i.mark.line_no)
+                for mk in i.marks:
+                    self.checkpoints.advance(mk.identity, mk.path, mk.offset, mk.line_no)
             self._inflight -= size
             if self._inflight < cfg.max_inflight_bytes:
                 self._space.set()

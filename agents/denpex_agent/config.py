@@ -78,8 +78,8 @@ class AgentConfig:
     rules: str | None = None
     layout: str | None = None
     batch_max_bytes: int = 256 * 1024
-    batch_max_delay: float = 0.1
-    poll_interval: float = 0.05
+    batch_max_delay: float = 0.05
+    poll_interval: float = 0.1
     discover_interval: float = 1.0
     heartbeat_interval: float = 5.0
     clock_interval: float = 30.0

@@ -15,7 +15,7 @@ _PATTERNS: tuple[tuple[re.Pattern[str], str], ...] = (
     (
         re.compile(
             r"(?i)(?P<pre>\b[\w.-]*(?:password|passwd|pwd|secret|token|api[_-]?key|access[_-]?key|private[_-]?key)"
-            r"[\"']?\s*[:=]\s*[\"']?)(?P<val>[^\s\"',;&}]+)"
+            r"[\"']?[ \t]*[:=][ \t]*[\"']?)(?P<val>[^\s\"',;&}]+)"
         ),
         rf"\g<pre>{MASK}",
     ),
@@ -27,17 +27,28 @@ _PATTERNS: tuple[tuple[re.Pattern[str], str], ...] = (
     (re.compile(r"\bxox[abprs]-[A-Za-z0-9-]{10,}\b"), MASK),
 )
 
-# One cheap search decides whether any of the substitutions above can apply.
+# One cheap search decides whether any of the substitutions above can apply. It runs on the
+# lowercased text: Python's re is an order of magnitude slower on a case-insensitive alternation.
 _QUICK = re.compile(
-    r"(?i)://[^/\s:@]+:|bearer\s|basic\s|passw|pwd|secret|token[\"']?\s*[:=]|key[\"']?\s*[:=]"
-    r"|AKIA|ASIA|hf_|gh[pousr]_|sk-|xox"
+    r"://[^/\s:@]+:|bearer\s|basic\s|passw|pwd|secret|token[\"']?[ \t]*[:=]|key[\"']?[ \t]*[:=]"
+    r"|akia|asia|hf_|gh[pousr]_|sk-|xox"
 )
 
 
 def mask(text: str) -> str:
     """Replace passwords in URLs, bearer tokens, key=value secrets and known token shapes."""
-    if _QUICK.search(text) is None:
+    if _QUICK.search(text.lower()) is None:
         return text
     for rx, repl in _PATTERNS:
         text = rx.sub(repl, text)
     return text
+
+
+def mask_lines(lines: list[str]) -> list[str]:
+    """`mask` over many lines at once (one search instead of one per line); none of the
+    substitutions crosses a line break."""
+    if not lines:
+        return lines
+    joined = "\n".join(lines)
+    masked = mask(joined)
+    return lines if masked is joined else masked.split("\n")

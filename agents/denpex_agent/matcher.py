@@ -278,3 +278,28 @@ class Matcher:
 
         self._progress_db.scan(data, on_hit)
         return found
+
+    def last_progress(self, buf: bytes, start: int, stop: int) -> Hit | None:
+        """The last verified progress line whose match ends in ``buf[start:stop]``: candidates
+        are collected without verification, then checked from the end until one holds."""
+        if not self.progress_rules:
+            return None
+        data = buf[start:stop]
+        ends: list[tuple[int, int]] = []
+
+        def collect(idx: int, to: int) -> None:
+            ends.append((to, idx))
+
+        self._progress_db.scan(data, collect)
+        seen: set[tuple[int, int]] = set()
+        for to, idx in reversed(ends):
+            ls, le = line_bounds(data, max(to - 1, 0), len(data))
+            if (ls, idx) in seen:
+                continue
+            seen.add((ls, idx))
+            line = self._decode(data, ls, le)
+            rule = self.progress_rules[idx]
+            fields = rule.search(line)
+            if fields is not None and "step" in fields:
+                return Hit(start=start + ls, end=start + le, line=line, rule=rule, fields=fields)
+        return None

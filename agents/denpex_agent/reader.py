@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 CHUNK = 1 << 20
 HEAD_SAMPLE = 64 * 1024
 SMALL_FILE = 1 << 20  # up to this size every step line is a progress sample
-PROGRESS_STRIDE = 32 * 1024  # beyond it, one sample per this many bytes (and the last line)
+PROGRESS_STRIDE = 128 * 1024  # beyond it, one sample per this many bytes (and the last line)
 
 _LOG_NAME = re.compile(r"(?i)(?:\.(?:log|txt|out|err)|^(?:stdout|stderr))(?:\.\d+)?$")
 _ROTATED = re.compile(r"^(?P<base>.+?)\.(?P<n>\d+)$")

@@ -13,13 +13,14 @@ A fold that is still open at the end of a chunk is carried into the next one.
 from __future__ import annotations
 
 import re
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from denpex_agent.attribution import has_prefix, line_rank, strip_prefix
 from denpex_agent.events import Event, event_id
-from denpex_agent.masking import mask
+from denpex_agent.masking import mask, mask_lines
 from denpex_agent.matcher import Hit, Matcher, line_bounds
 from denpex_agent.timestamps import parse_timestamp
 
@@ -90,15 +91,19 @@ class LineScanner:
         self._buf = b""
         self._base = start_offset  # file offset of self._buf[0]
         self._line_no = start_line  # line number of self._buf[0]
-        self._tail = b""  # processed bytes just before self._buf, for context
+        self._segments: deque[bytes] = deque()  # processed bytes just before self._buf (context)
+        self._segments_len = 0
         self._last_ts: float | None = None
+        self._ts_stale = False  # new bytes since _last_ts was computed
         self._skip_long = False
         self._next_progress = start_offset
         self._last_progress_offset = -1
         # time-based sampling (live): the newest step line, emitted at most every interval
         self.progress_interval = progress_interval
         self._clock = clock
-        self._pending_progress: Event | None = None
+        # (hit, file offset, line number, the line's own timestamp or None): built into an
+        # event only when it is sent
+        self._pending_progress: tuple[Hit, int, int, float | None] | None = None
         self._last_emit = -1e18
 
     def prime(self, before: bytes) -> None:
@@ -106,22 +111,52 @@ class LineScanner:
         and the last timestamp, as if the scanner had read them."""
         nl = before.find(b"\n")
         tail = before[nl + 1 :] if nl >= 0 else b""
-        self._tail = tail[-TAIL_BYTES:]
-        ts = self._scan_back_ts(self._tail, len(self._tail))
-        if ts is not None:
-            self._last_ts = ts
+        self._set_tail(tail[-TAIL_BYTES:])
+        self._ts_stale = True
+
+    @property
+    def _tail(self) -> bytes:
+        """The processed bytes before the buffer (at most TAIL_BYTES, from a line start)."""
+        if len(self._segments) > 1:
+            self._set_tail(b"".join(self._segments))
+        return self._segments[0] if self._segments else b""
+
+    def _set_tail(self, tail: bytes) -> None:
+        if len(tail) > TAIL_BYTES:
+            tail = tail[-TAIL_BYTES:]
+            nl = tail.find(b"\n")
+            tail = tail[nl + 1 :] if nl >= 0 else b""
+        self._segments.clear()
+        if tail:
+            self._segments.append(tail)
+        self._segments_len = len(tail)
 
     def last_ts(self) -> float | None:
+        """The newest timestamp in what was processed (computed only when asked)."""
+        if self._ts_stale:
+            self._ts_stale = False
+            tail = self._tail
+            ts = self._scan_back_ts(tail, len(tail))
+            if ts is not None:
+                self._last_ts = ts
         return self._last_ts
 
     def due_progress(self) -> list[Event]:
         """The newest step line not sent yet, once the sampling interval has passed."""
-        ev = self._pending_progress
-        if ev is None or self._clock is None or self._clock() - self._last_emit < self.progress_interval:
+        pending = self._pending_progress
+        if pending is None or self._clock is None or self._clock() - self._last_emit < self.progress_interval:
             return []
         self._pending_progress = None
         self._last_emit = self._clock()
-        return [ev]
+        hit, offset, line_no, ts = pending
+        if ts is not None:
+            return [self._make_progress(hit, offset, line_no, b"", given=(ts, "line"))]
+        inherited = self.last_ts()
+        return [
+            self._make_progress(
+                hit, offset, line_no, b"", given=(inherited, "inherited" if inherited else "none")
+            )
+        ]
 
     @property
     def offset(self) -> int:
@@ -245,18 +280,14 @@ class LineScanner:
         n = buf.count(b"\n", 0, consumed)
         self.stats.lines += n
         self._line_no += n
-        tail = (
-            buf[consumed - TAIL_BYTES : consumed] if consumed >= TAIL_BYTES else self._tail + buf[:consumed]
-        )
-        if len(tail) > TAIL_BYTES:
-            tail = tail[-TAIL_BYTES:]
-        if len(tail) >= TAIL_BYTES:  # start at a line boundary
-            nl = tail.find(b"\n")
-            tail = tail[nl + 1 :] if nl >= 0 else b""
-        self._tail = tail
-        ts = self._scan_back_ts(buf, consumed)
-        if ts is not None:
-            self._last_ts = ts
+        if consumed >= TAIL_BYTES:
+            self._set_tail(buf[consumed - TAIL_BYTES : consumed])
+        else:  # keep segments; join only when context is needed
+            self._segments.append(buf[:consumed])
+            self._segments_len += consumed
+            while self._segments_len - len(self._segments[0]) >= TAIL_BYTES:
+                self._segments_len -= len(self._segments.popleft())
+        self._ts_stale = True
         self._base += consumed
 
     # -- folds --------------------------------------------------------------------------------
@@ -412,7 +443,7 @@ class LineScanner:
             return ts, "line"
         ts = self._scan_back_ts(buf, start)
         if ts is None:
-            ts = self._last_ts
+            ts = self.last_ts()
         return (ts, "inherited") if ts is not None else (None, "none")
 
     def _scan_back_ts(self, buf: bytes, pos: int) -> float | None:
@@ -443,20 +474,26 @@ class LineScanner:
                 src, end, used_tail = self._tail, len(self._tail) - 1, True
                 continue
             start = src.rfind(b"\n", 0, end) + 1
-            out.append(mask(src[start : min(end, start + MAX_CONTEXT_LINE)].decode("utf-8", "replace")))
+            out.append(src[start : min(end, start + MAX_CONTEXT_LINE)].decode("utf-8", "replace"))
             end = start - 1
         out.reverse()
-        return out
+        return mask_lines(out)
 
     # -- progress -----------------------------------------------------------------------------
 
     def _sample_progress(self, buf: bytes, consumed: int, counter: _LineCounter) -> list[Event]:
         hits: list[Hit] = []
         if self.progress_interval > 0 and self._clock is not None:
-            for window in (4096, 65536, consumed):
-                got = self.matcher.progress(buf, max(consumed - window, 0), consumed, first_only=False)
-                if got:
-                    self._pending_progress = self._progress_event(buf, got[-1], counter)
+            for window in (1024, 8192, 65536, consumed):
+                last = self.matcher.last_progress(buf, max(consumed - window, 0), consumed)
+                if last is not None:
+                    own_ts = parse_timestamp(last.line, self.source.default_year, self.source.ref_epoch)
+                    self._pending_progress = (
+                        last,
+                        self._base + last.start,
+                        counter.line_at(last.start),
+                        own_ts,
+                    )
                     break
                 if window >= consumed:
                     break
@@ -479,14 +516,13 @@ class LineScanner:
         tail = self._tail
         if not tail:
             return []
-        hits: list[Hit] = []
-        for window in (4096, 32768, len(tail)):
-            hits = self.matcher.progress(tail, max(len(tail) - window, 0), len(tail), first_only=False)
-            if hits or window >= len(tail):
+        last = None
+        for window in (1024, 8192, 65536, len(tail)):
+            last = self.matcher.last_progress(tail, max(len(tail) - window, 0), len(tail))
+            if last is not None or window >= len(tail):
                 break
-        if not hits:
+        if last is None:
             return []
-        last = hits[-1]
         offset = self._base - len(tail) + last.start
         if offset == self._last_progress_offset:
             return []
@@ -498,13 +534,15 @@ class LineScanner:
     def _progress_event(self, buf: bytes, hit: Hit, counter: _LineCounter) -> Event:
         return self._make_progress(hit, self._base + hit.start, counter.line_at(hit.start), buf)
 
-    def _make_progress(self, hit: Hit, offset: int, line_no: int, buf: bytes) -> Event:
+    def _make_progress(
+        self, hit: Hit, offset: int, line_no: int, buf: bytes, given: tuple[float | None, str] | None = None
+    ) -> Event:
         src = self.source
         self._last_progress_offset = offset
         self.stats.progress += 1
         prefix_rank, prefix_local = line_rank(hit.line)
         rank = _pick_rank(hit.line, prefix_rank, src.rank)
-        ts, ts_source = self._timestamp(buf, hit.start, hit.line)
+        ts, ts_source = given if given is not None else self._timestamp(buf, hit.start, hit.line)
         return Event(
             id=event_id(src.agent, src.identity, offset, "progress"),
             kind="progress",

@@ -20,6 +20,9 @@ and which of the other errors are only collateral.
   denpexd diagnose LOGDIR              post-mortem diagnosis of a directory of rank logs
   denpexd diagnose LOGDIR --format json
   denpexd rules test                   self-test the signature library
+  denpexd serve                        live correlator: embedded MQTT broker, HTTP API, /metrics
+  denpexd query --job ID               the live diagnosis of a job from a running `serve`
+  denpexd validate --config FILE       check a serve configuration and its rules
 """
 
 
@@ -76,6 +79,48 @@ def build_parser() -> argparse.ArgumentParser:
         "--progress", choices=("auto", "always", "never"), default="auto", help="progress bar on stderr"
     )
 
+    s = sub.add_parser(
+        "serve",
+        help="run the live correlator (MQTT ingest, engine per job, store, HTTP API, alerts)",
+        description="Run the live correlator. Settings come from flags > DENPEX_* environment > "
+        "--config TOML file > defaults.",
+    )
+    s.add_argument("--config", metavar="FILE", help="TOML configuration file (env DENPEX_CONFIG)")
+    s.add_argument(
+        "--mqtt-listen", metavar="HOST:PORT", help="embedded broker address (default 127.0.0.1:1883)"
+    )
+    s.add_argument(
+        "--broker", metavar="URL", help="external broker mqtt[s]://user:pass@host:port (no embedded one)"
+    )
+    s.add_argument("--http-listen", metavar="HOST:PORT", help="HTTP API address (default 127.0.0.1:8080)")
+    s.add_argument("--data-dir", metavar="DIR", help="store folder (default ./denpex-data)")
+    s.add_argument(
+        "--rules", metavar="DIR", help="rule library folder or file (default: the bundled library)"
+    )
+    s.add_argument(
+        "--client-id", metavar="ID", help="MQTT client id of the persistent session (default denpexd)"
+    )
+    s.add_argument("--job-idle-close", metavar="SECONDS", type=float, dest="job_idle_close_s",
+                   help="close a job after this long without events (default 900)")  # fmt: skip
+    s.add_argument("--max-open-jobs", metavar="N", type=int, help="open jobs kept in memory (default 10000)")
+    s.add_argument("--alertmanager", metavar="URL", help="Alertmanager base URL (v2 API)")
+    s.add_argument(
+        "--api-token", metavar="TOKEN", help="bearer token required by the API (env DENPEX_API_TOKEN)"
+    )
+    s.add_argument("--log-level", choices=("debug", "info", "warning", "error"), help="default info")
+
+    q = sub.add_parser("query", help="ask a running `denpexd serve` about a job")
+    q.add_argument("--job", metavar="ID", help="print this job's diagnosis (the report `diagnose` prints)")
+    q.add_argument("--jobs", action="store_true", help="list recent jobs, their verdicts and initiators")
+    q.add_argument("--json", action="store_true", help="print JSON (DESIGN §7 contract for --job)")
+    q.add_argument(
+        "--server", metavar="URL", help="daemon URL (default http://127.0.0.1:8080, env DENPEX_SERVER)"
+    )
+    q.add_argument("--api-token", metavar="TOKEN", help="bearer token (env DENPEX_API_TOKEN)")
+
+    v = sub.add_parser("validate", help="check a serve configuration and its rules (exit 0 or 2)")
+    v.add_argument("--config", metavar="FILE", help="TOML configuration file")
+
     r = sub.add_parser("rules", help="inspect or self-test the signature library")
     rsub = r.add_subparsers(dest="rules_command", metavar="ACTION", parser_class=_Parser)
     for name, text in (("test", "run every example and counterexample"), ("list", "list the rules")):
@@ -111,6 +156,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                 return rulescmd.run_list(args.rules)
             print("denpexd rules: choose an action: test or list", file=sys.stderr)
             return EXIT_USAGE
+        if args.command in ("serve", "validate"):
+            from denpexd import servecmd
+
+            return servecmd.run(args)
+        if args.command == "query":
+            from denpexd import querycmd
+
+            return querycmd.run(args)
         if args.command == "diagnose":
             from denpexd import diagnosecmd
 

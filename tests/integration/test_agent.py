@@ -92,9 +92,7 @@ async def test_resumes_after_kill_9_without_loss_and_with_stable_ids(tmp_path: P
                     proc.kill()  # SIGKILL: no flush, no goodbye
                     proc.wait()
                     proc = start_agent(cmd, tmp_path / "agent.log")
-        await eventually(
-            lambda: {_marker(e.text) for e in got.events("match")} >= set(range(200)), timeout=20
-        )
+        await eventually(lambda: {_marker(e.text) for e in got.events("match")} >= set(range(200)), within=20)
         stop(proc)
     ids: dict[int, set[str]] = {}
     for e in got.events("match"):
@@ -287,7 +285,7 @@ async def test_broker_outage_pauses_reading_and_catches_up(tmp_path: Path) -> No
             assert proc.poll() is None, "the agent must survive a broker outage"
             broker.start()
             await eventually(
-                lambda: {_marker(e.text) for e in got.events("match")} >= set(range(100)), timeout=30
+                lambda: {_marker(e.text) for e in got.events("match")} >= set(range(100)), within=30
             )
     finally:
         stop(proc)

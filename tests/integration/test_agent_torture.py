@@ -14,11 +14,22 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.agent_harness import PrivateBroker, agent_cmd, collector, eventually, start_agent, stop, unique_job
+from tests.integration.agent_harness import (
+    PrivateBroker,
+    agent_cmd,
+    collector,
+    eventually,
+    start_agent,
+    stop,
+    unique_job,
+)
 
 pytestmark = [
     pytest.mark.integration,
-    pytest.mark.skipif(shutil.which("mosquitto") is None and not os.path.exists("/usr/sbin/mosquitto"), reason="mosquitto not installed"),
+    pytest.mark.skipif(
+        shutil.which("mosquitto") is None and not os.path.exists("/usr/sbin/mosquitto"),
+        reason="mosquitto not installed",
+    ),
 ]
 
 RANKS = 8
@@ -50,9 +61,13 @@ class Writer:
                         if n % MATCH_EVERY == 0:
                             marker = f"{r}-{n}"
                             self.written[r].append(marker)
-                            chunk.append(f"[rank{r}]: RuntimeError: CUDA error: an illegal memory access was encountered marker={marker}\n")
+                            chunk.append(
+                                f"[rank{r}]: RuntimeError: CUDA error: an illegal memory access was encountered marker={marker}\n"
+                            )
                         else:
-                            chunk.append(f"2026-11-29 12:00:00,{n % 1000:03d} INFO [rank{r}] step {n} | loss 2.0 | grad_norm 1.0\n")
+                            chunk.append(
+                                f"2026-11-29 12:00:00,{n % 1000:03d} INFO [rank{r}] step {n} | loss 2.0 | grad_norm 1.0\n"
+                            )
                     with (self.logs / f"rank{r}.log").open("a") as fh:
                         fh.write("".join(chunk))
                     self.lines += len(chunk)

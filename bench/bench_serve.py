@@ -1,0 +1,234 @@
+"""Load generator for `denpexd serve`: 512 nodes x 8 ranks through the real Mosquitto.
+
+Phase 1 (throughput): every rank publishes progress events for STEPS steps as fast as the
+publishers can, batched per node as agents do; the daemon's CPU seconds come from
+/proc/<pid>/stat, so events per CPU second is its sustained rate on one core.
+Phase 2 (latency): TRIALS fresh jobs of 4,096 ranks each get a few steps of progress, then a
+failure cascade: one rank's CUDA OOM (root cause) followed by collateral on every other rank.
+Latency = from publishing the initiating line to receiving (a) the retained diagnosis naming
+that rank and (b) the MQTT alert. Prints a JSON summary.
+
+    python bench/bench_serve.py [--nodes 512] [--ranks-per-node 8] [--steps 60] [--trials 10]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import re
+import signal
+import socket
+import statistics
+import sys
+import tempfile
+import time
+import urllib.request
+import uuid
+from pathlib import Path
+from typing import Any
+
+import aiomqtt
+import orjson
+
+from denpex_agent import wire
+from denpex_agent.events import Event
+
+BROKER = ("127.0.0.1", 1883)
+PUBLISHERS = 16
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def _metric(url: str, name: str) -> float:
+    text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
+    return sum(float(m.group(1)) for m in re.finditer(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M))
+
+
+def progress(job: str, node: str, rank: int, local: int, step: int, ts: float) -> Event:
+    return Event(
+        id=f"{node}-{rank}-p{step}", kind="progress", job=job, node=node, rank=rank, local_rank=local,
+        file=f"/logs/{node}/rank{rank}.log", offset=step * 120, line_no=step, ts=ts, ts_source="line",
+        rule="megatron-iteration", severity="info", role="progress", category="progress",
+        text=f"iteration {step} | lm loss: 2.31 | grad norm: 1.02", fields={"step": step, "loss": 2.31},
+    )  # fmt: skip
+
+
+def match(
+    job: str, node: str, rank: int, local: int, rule: str, role: str, category: str, ts: float
+) -> Event:
+    return Event(
+        id=f"{node}-{rank}-{rule}", kind="match", job=job, node=node, rank=rank, local_rank=local,
+        file=f"/logs/{node}/rank{rank}.log", offset=10**6, line_no=9999, ts=ts, ts_source="line",
+        rule=rule, severity="error", role=role, category=category, text=f"{rule} on rank {rank}",
+        context=["previous line"] * 20,
+    )  # fmt: skip
+
+
+class Fleet:
+    def __init__(self, nodes: int, per_node: int) -> None:
+        self.nodes = [f"n{i:03d}" for i in range(nodes)]
+        self.per_node = per_node
+        self.clients: list[aiomqtt.Client] = []
+
+    def ranks(self, node_idx: int) -> list[tuple[int, int]]:
+        return [(node_idx * self.per_node + lr, lr) for lr in range(self.per_node)]
+
+    async def publish_steps(self, job: str, steps: range, t0: float) -> int:
+        sent = 0
+
+        async def one(pub: int) -> None:
+            nonlocal sent
+            c = self.clients[pub]
+            for ni in range(pub, len(self.nodes), PUBLISHERS):
+                node = self.nodes[ni]
+                evs = [progress(job, node, r, lr, s, t0 + s * 0.5) for s in steps for r, lr in self.ranks(ni)]
+                await c.publish(wire.events_topic(job), wire.encode_batch(f"{node}-agent", job, node, 1,
+                                                                          time.time(), evs), qos=1)  # fmt: skip
+                sent += len(evs)
+
+        await asyncio.gather(*(one(p) for p in range(PUBLISHERS)))
+        return sent
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    http = _free_port()
+    data = tempfile.mkdtemp(prefix="denpex-bench-")
+    client_id = f"denpexd-bench-{uuid.uuid4().hex[:8]}"
+    url = f"http://127.0.0.1:{http}"
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "denpexd", "serve", "--broker", "mqtt://127.0.0.1:1883", "--client-id", client_id,
+        "--http-listen", f"127.0.0.1:{http}", "--data-dir", data, "--log-level", "warning",
+    )  # fmt: skip
+    for _ in range(200):
+        with contextlib.suppress(OSError):
+            if (await asyncio.to_thread(urllib.request.urlopen, url + "/-/ready", None, 1)).status == 200:
+                break
+        await asyncio.sleep(0.1)
+    fleet = Fleet(args.nodes, args.ranks_per_node)
+    out: dict[str, Any] = {"nodes": args.nodes, "ranks": args.nodes * args.ranks_per_node}
+    try:
+        async with contextlib.AsyncExitStack() as stack:
+            for i in range(PUBLISHERS):
+                fleet.clients.append(
+                    await stack.enter_async_context(
+                        aiomqtt.Client(*BROKER, identifier=f"bench-pub-{i}-{client_id}")
+                    )
+                )
+            # Phase 1: sustained throughput
+            job = f"bench-{uuid.uuid4().hex[:6]}"
+            base = _metric(url, "denpex_ingest_events_total")
+            cpu0, w0 = _cpu_s(proc.pid), time.perf_counter()
+            sent = 0
+            for chunk in range(0, args.steps, 5):
+                sent += await fleet.publish_steps(job, range(chunk, min(chunk + 5, args.steps)), 1.8e9)
+            while _metric(url, "denpex_ingest_events_total") - base < sent:  # noqa: ASYNC110 - another process
+                await asyncio.sleep(0.05)
+            cpu, wall = _cpu_s(proc.pid) - cpu0, time.perf_counter() - w0
+            out["throughput"] = {
+                "events": sent, "wall_s": round(wall, 2), "daemon_cpu_s": round(cpu, 2),
+                "events_per_cpu_s": round(sent / cpu), "events_per_wall_s": round(sent / wall),
+            }  # fmt: skip
+            out["rss_mb_after_throughput"] = round(_rss_mb(proc.pid))
+            # Phase 2: failure cascades
+            diag_lat, alert_lat = [], []
+            async with aiomqtt.Client(*BROKER, identifier=f"bench-sub-{client_id}") as sub:
+                await sub.subscribe("denpex/v1/jobs/+/diagnosis", qos=1)
+                await sub.subscribe("denpex/v1/alerts/+", qos=1)
+                for trial in range(args.trials):
+                    job = f"cascade-{trial}-{uuid.uuid4().hex[:6]}"
+                    await fleet.publish_steps(job, range(5), 1.8e9)
+                    ni = (trial * 37) % len(fleet.nodes)
+                    rank, lr = fleet.ranks(ni)[3]
+                    node = fleet.nodes[ni]
+                    t_fail = 1.8e9 + 10.0
+                    first = match(job, node, rank, lr, "cuda-oom", "root-cause", "out-of-memory", t_fail)
+                    t_pub = time.perf_counter()
+                    await fleet.clients[ni % PUBLISHERS].publish(
+                        wire.events_topic(job), wire.encode_batch(f"{node}-agent", job, node, 2, time.time(), [first]),
+                        qos=1,
+                    )  # fmt: skip
+                    got_diag = got_alert = None
+
+                    async def collateral(job: str = job, rank: int = rank, t_fail: float = t_fail) -> None:
+                        await asyncio.sleep(0.05)
+                        for p in range(PUBLISHERS):
+                            for nj in range(p, len(fleet.nodes), PUBLISHERS):
+                                n = fleet.nodes[nj]
+                                evs = [match(job, n, r, lr, "nccl-remote-error", "collateral", "communication",
+                                             t_fail + 0.5) for r, lr in fleet.ranks(nj) if r != rank]  # fmt: skip
+                                await fleet.clients[p].publish(wire.events_topic(job), wire.encode_batch(
+                                    f"{n}-agent", job, n, 3, time.time(), evs), qos=1)  # fmt: skip
+
+                    cascade = asyncio.create_task(collateral())
+                    async with asyncio.timeout(30):
+                        async for msg in sub.messages:
+                            topic = msg.topic.value
+                            if job not in topic:
+                                continue
+                            doc = orjson.loads(msg.payload) if isinstance(msg.payload, bytes) else {}
+                            if topic.endswith("/diagnosis") and got_diag is None:
+                                ini = doc.get("initiator") or {}
+                                if ini.get("rank") == rank:
+                                    got_diag = time.perf_counter() - t_pub
+                            elif "/alerts/" in topic and got_alert is None:
+                                got_alert = time.perf_counter() - t_pub
+                                assert doc["labels"]["rank"] == str(rank), doc["labels"]
+                            if got_diag is not None and got_alert is not None:
+                                break
+                    await cascade
+                    diag_lat.append(got_diag)
+                    alert_lat.append(got_alert)
+
+            def pct(xs: list[float], q: float) -> float:
+                xs = sorted(xs)
+                return round(xs[min(len(xs) - 1, int(q * len(xs)))] * 1000, 1)
+
+            out["latency_ms"] = {
+                "trials": args.trials,
+                "diagnosis_p50": pct(diag_lat, 0.5), "diagnosis_p99": pct(diag_lat, 0.99),
+                "alert_p50": pct(alert_lat, 0.5), "alert_p99": pct(alert_lat, 0.99),
+                "alert_mean": round(statistics.mean(alert_lat) * 1000, 1),
+            }  # fmt: skip
+            out["rss_mb_end"] = round(_rss_mb(proc.pid))
+            out["diagnosis_duration_s_sum"] = _metric(url, "denpex_diagnosis_duration_seconds_sum")
+            out["diagnosis_runs"] = _metric(url, "denpex_diagnosis_runs_total")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        await proc.wait()
+        async with aiomqtt.Client(
+            *BROKER, identifier=client_id, protocol=aiomqtt.ProtocolVersion.V5, clean_start=True
+        ):
+            pass
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--nodes", type=int, default=512)
+    p.add_argument("--ranks-per-node", type=int, default=8)
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--trials", type=int, default=10)
+    result = asyncio.run(run(p.parse_args()))
+    print(orjson.dumps(result, option=orjson.OPT_INDENT_2).decode())
+
+
+if __name__ == "__main__":
+    main()

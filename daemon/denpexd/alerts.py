@@ -1,0 +1,221 @@
+"""Alerts: one per incident (never per rank, never for collateral alone), to Alertmanager's v2
+API and to MQTT `denpex/v1/alerts/<job>`, resolved (endsAt) when the job closes.
+
+The incident is recorded in the store before it is sent, so a restarted daemon does not fire it
+again; it keeps re-sending firing alerts every `repeat_s` so Alertmanager does not time them out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any, Protocol, Self
+
+import aiohttp
+import orjson
+
+from denpex_agent import wire
+from denpex_agent.timestamps import format_iso
+from denpexd.metrics import Metrics
+from denpexd.store import Store
+
+log = logging.getLogger(__name__)
+
+INCIDENT = "failure"  # one failure chain per job: the engine's initiator names it
+QUEUE_MAX = 1024
+
+
+class AlertSink(Protocol):
+    name: str
+
+    async def send(self, alerts: Sequence[dict[str, Any]]) -> None: ...
+
+
+class BusLike(Protocol):
+    async def publish(self, topic: str, payload: bytes, *, retain: bool = False) -> None: ...
+
+
+class MqttSink:
+    name = "mqtt"
+
+    def __init__(self, bus: BusLike) -> None:
+        self.bus = bus
+
+    async def send(self, alerts: Sequence[dict[str, Any]]) -> None:
+        for alert in alerts:
+            await self.bus.publish(wire.alerts_topic(alert["labels"]["job"]), orjson.dumps(alert))
+
+
+class AlertmanagerSink:
+    """POST /api/v2/alerts with retries and backoff; `async with` owns the HTTP session."""
+
+    name = "alertmanager"
+
+    def __init__(self, url: str, *, retries: int = 5, backoff_s: float = 0.5) -> None:
+        self.url = url.rstrip("/")
+        self.retries, self.backoff_s = retries, backoff_s
+        self._session: aiohttp.ClientSession | None = None
+
+    async def __aenter__(self) -> Self:
+        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5))
+        try:
+            async with self._session.get(f"{self.url}/-/ready") as resp:
+                if resp.status >= 500:
+                    log.warning("alertmanager not ready url=%s status=%d", self.url, resp.status)
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            log.warning(
+                "alertmanager unreachable at start; alerts will be retried url=%s error=%s", self.url, exc
+            )
+        return self
+
+    async def __aexit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+    async def send(self, alerts: Sequence[dict[str, Any]]) -> None:
+        assert self._session is not None
+        body = orjson.dumps(list(alerts))
+        delay = self.backoff_s
+        for attempt in range(self.retries + 1):
+            try:
+                async with self._session.post(
+                    f"{self.url}/api/v2/alerts", data=body, headers={"Content-Type": "application/json"}
+                ) as resp:
+                    if resp.status < 300:
+                        return
+                    error = f"HTTP {resp.status}"
+                    if 400 <= resp.status < 500:
+                        raise aiohttp.ClientResponseError(resp.request_info, (), status=resp.status)
+            except aiohttp.ClientResponseError:
+                raise
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                error = str(exc) or type(exc).__name__
+            if attempt < self.retries:
+                log.warning(
+                    "alertmanager send failed; retrying url=%s attempt=%d error=%s",
+                    self.url,
+                    attempt + 1,
+                    error,
+                )
+                await asyncio.sleep(delay)
+                delay *= 2
+        raise ConnectionError(f"alertmanager {self.url}: {error}")
+
+
+@dataclass(slots=True)
+class Incident:
+    key: str
+    alert: dict[str, Any]
+    fired_at: float
+    last_sent: float
+
+
+def build_alert(job: str, doc: dict[str, Any], starts: float, generator: str) -> dict[str, Any]:
+    ini = doc["initiator"]
+    rc = doc.get("root_cause") or {}
+    return {
+        "labels": {
+            "alertname": "DenpexJobFailed",
+            "job": job,
+            "rank": str(ini.get("rank")) if ini.get("rank") is not None else "",
+            "node": ini.get("node") or "",
+            "rule": ini.get("rule") or "",
+            "category": ini.get("category") or "",
+            "role": "initiator",
+            "severity": "critical",
+        },
+        "annotations": {
+            "summary": f"job {job} failed: {rc.get('title') or ini.get('rule')} on node {ini.get('node')} "
+            f"rank {ini.get('rank')}",
+            "root_cause": rc.get("root_cause", ""),
+            "fix": rc.get("fix", ""),
+            "verify": rc.get("verify", ""),
+            "collateral_ranks": ",".join(str(r) for r in doc.get("collateral_ranks", [])),
+            "query": f"denpexd query --job {job}",
+        },
+        "startsAt": format_iso(starts),
+        "generatorURL": f"{generator}/api/v1/jobs/{job}",
+    }
+
+
+class Alerter:
+    """Decides when an incident fires or resolves; a task delivers to every sink in order."""
+
+    def __init__(
+        self,
+        store: Store,
+        metrics: Metrics,
+        sinks: list[AlertSink],
+        *,
+        generator: str,
+        repeat_s: float = 60.0,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.store, self.metrics, self.sinks = store, metrics, sinks
+        self.generator, self.repeat_s, self._clock = generator, repeat_s, clock
+        self.active: dict[str, Incident] = {}
+        self._queue: asyncio.Queue[list[dict[str, Any]]] = asyncio.Queue(QUEUE_MAX)
+
+    def restore(self, job: str, incidents: list[tuple[str, float, float | None, dict[str, Any]]]) -> None:
+        for key, fired_at, resolved_at, alert in incidents:
+            if resolved_at is None:
+                self.active[job] = Incident(key, alert, fired_at, last_sent=self._clock())
+
+    async def on_diagnosis(self, job: str, doc: dict[str, Any]) -> None:
+        now = self._clock()
+        inc = self.active.get(job)
+        if inc is not None:
+            if now - inc.last_sent >= self.repeat_s:
+                inc.last_sent = now
+                self._enqueue([inc.alert])
+            return
+        if doc.get("verdict") != "failed" or not doc.get("initiator"):
+            return  # collateral alone (no initiator) never alerts
+        alert = build_alert(job, doc, now, self.generator)
+        self.active[job] = Incident(INCIDENT, alert, now, now)
+        await self.store.record_incident(job, INCIDENT, now, alert)
+        log.info("incident fired job=%s node=%s rank=%s rule=%s", job, alert["labels"]["node"],
+                 alert["labels"]["rank"], alert["labels"]["rule"])  # fmt: skip
+        self._enqueue([alert])
+
+    async def on_close(self, job: str) -> None:
+        inc = self.active.pop(job, None)
+        if inc is None:
+            return
+        now = self._clock()
+        await self.store.resolve_incident(job, inc.key, now)
+        self._enqueue([{**inc.alert, "endsAt": format_iso(now)}])
+
+    def _enqueue(self, alerts: list[dict[str, Any]]) -> None:
+        try:
+            self._queue.put_nowait(alerts)
+        except asyncio.QueueFull:
+            for sink in self.sinks:
+                self.metrics.alerts_failed.labels(sink.name).inc()
+            log.warning("alert queue full; alert dropped job=%s", alerts[0]["labels"]["job"])
+
+    async def run(self) -> None:
+        while True:
+            alerts = await self._queue.get()
+            await self._deliver(alerts)
+            self._queue.task_done()
+
+    async def _deliver(self, alerts: list[dict[str, Any]]) -> None:
+        state = "resolved" if "endsAt" in alerts[0] else "firing"
+        for sink in self.sinks:
+            try:
+                await sink.send(alerts)
+                self.metrics.alerts_sent.labels(sink.name, state).inc(len(alerts))
+            except Exception as exc:  # one failing sink must not stop the others
+                self.metrics.alerts_failed.labels(sink.name).inc(len(alerts))
+                log.warning("alert delivery failed sink=%s error=%s", sink.name, exc)
+
+    async def drain(self) -> None:
+        """Wait until every queued alert was attempted (the `run` task must be running)."""
+        await self._queue.join()

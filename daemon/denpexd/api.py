@@ -1,0 +1,156 @@
+"""The HTTP API (aiohttp): jobs, one job's diagnosis (DESIGN §7), its events, health, metrics.
+
+An optional bearer token guards everything but `/-/healthy` and `/-/ready`. Job ids are checked
+with the wire protocol's rules before anything looks them up: a hostile id is a 400, an unknown
+one a 404.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from collections.abc import Awaitable, Callable
+from types import TracebackType
+from typing import Any, Self
+
+import orjson
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+from denpex_agent import wire
+from denpexd.config import split_listen
+from denpexd.errors import HttpError
+from denpexd.jobs import JobTable
+from denpexd.store import Store
+
+log = logging.getLogger(__name__)
+
+MAX_EVENTS = 10_000
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def _json(data: Any, status: int = 200) -> web.Response:
+    return web.Response(
+        body=orjson.dumps(data, option=orjson.OPT_NON_STR_KEYS),
+        status=status,
+        content_type="application/json",
+    )
+
+
+def _error(status: int, message: str) -> web.Response:
+    return _json({"error": message}, status)
+
+
+class Api:
+    """`async with Api(listen, ...)` serves until the block exits."""
+
+    def __init__(
+        self,
+        listen: str,
+        table: JobTable,
+        store: Store,
+        registry: CollectorRegistry,
+        *,
+        token: str | None,
+        ready: Callable[[], bool],
+    ) -> None:
+        self.listen = listen
+        self.table, self.store, self.registry = table, store, registry
+        self.token = token
+        self._ready = ready
+        self._runner: web.AppRunner | None = None
+        self.port = 0
+
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[self._auth], client_max_size=64 * 1024)
+        app.router.add_get("/-/healthy", self.healthy)
+        app.router.add_get("/-/ready", self.ready)
+        app.router.add_get("/metrics", self.metrics)
+        app.router.add_get("/api/v1/jobs", self.jobs)
+        app.router.add_get("/api/v1/jobs/{job}", self.job)
+        app.router.add_get("/api/v1/jobs/{job}/events", self.events)
+        return app
+
+    async def __aenter__(self) -> Self:
+        host, port = split_listen(self.listen)
+        self._runner = web.AppRunner(self.app(), access_log=None, handle_signals=False)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, host, port)
+        try:
+            await site.start()
+        except OSError as exc:
+            await self._runner.cleanup()
+            raise HttpError(
+                self.listen, f"cannot listen ({exc.strerror}); choose another with --http-listen"
+            ) from exc
+        server = site._server
+        sockets = getattr(server, "sockets", None) or []
+        self.port = sockets[0].getsockname()[1] if sockets else port
+        log.info("HTTP API listening address=%s:%d", host, self.port)
+        return self
+
+    async def __aexit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        if self.token and not request.path.startswith("/-/"):
+            given = request.headers.get("Authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {self.token}".encode()):
+                return _error(401, "missing or wrong bearer token")
+        return await handler(request)
+
+    async def healthy(self, request: web.Request) -> web.Response:
+        return web.Response(text="ok\n")
+
+    async def ready(self, request: web.Request) -> web.Response:
+        if self._ready():
+            return web.Response(text="ready\n")
+        return web.Response(text="not ready: waiting for the MQTT broker\n", status=503)
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        resp = web.Response(body=generate_latest(self.registry))
+        resp.headers["Content-Type"] = CONTENT_TYPE_LATEST
+        return resp
+
+    async def jobs(self, request: web.Request) -> web.Response:
+        try:
+            limit = max(1, min(int(request.query.get("limit", "100")), 10_000))
+        except ValueError:
+            return _error(400, "limit must be an integer")
+        rows = await self.store.list_jobs(limit)
+        for row in rows:
+            row["open"] = row["job"] in self.table.jobs
+        return _json({"jobs": rows})
+
+    def _job_id(self, request: web.Request) -> str | None:
+        job = request.match_info["job"]
+        return job if wire.valid_id(job) else None
+
+    async def job(self, request: web.Request) -> web.Response:
+        job = self._job_id(request)
+        if job is None:
+            return _error(400, "invalid job id")
+        doc = await self.table.current(job)
+        if doc is None:
+            doc = await self.store.diagnosis(job)
+        if doc is None:
+            return _error(404, f"unknown job {job}")
+        return _json(doc)
+
+    async def events(self, request: web.Request) -> web.Response:
+        job = self._job_id(request)
+        if job is None:
+            return _error(400, "invalid job id")
+        try:
+            rank = int(request.query["rank"]) if request.query.get("rank", "") != "" else None
+            limit = max(1, min(int(request.query.get("limit", "100")), MAX_EVENTS))
+        except ValueError:
+            return _error(400, "rank and limit must be integers")
+        if job not in self.table.jobs and not await self.store.job_exists(job):
+            return _error(404, f"unknown job {job}")
+        await self.table.writer.flush()
+        return _json({"job": job, "events": await self.store.events(job, rank, limit)})

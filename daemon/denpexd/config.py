@@ -1,0 +1,154 @@
+"""`denpexd serve` configuration: one frozen dataclass parsed once, at the edge.
+
+Sources, highest precedence first: command-line flags, environment (`DENPEX_<KEY>` upper case),
+a TOML file (`--config`), the defaults below (DESIGN §8). Unknown keys in the file or unknown
+flags are errors naming the key, so a typo never silently falls back to a default (`DENPEX_*`
+variables that `serve` does not know are left to the agent and the query client that share the
+prefix).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+from denpexd.errors import ConfigError
+
+ENV_PREFIX = "DENPEX_"
+_ENV_IGNORED = frozenset({"DENPEX_SERVER", "DENPEX_CONFIG"})  # read by `query` and by the CLI
+
+
+@dataclass(frozen=True, slots=True)
+class ServeConfig:
+    mqtt_listen: str = "127.0.0.1:1883"  # the embedded broker's address (unused with `broker`)
+    broker: str | None = None  # mqtt[s]://user:pass@host:port of an external broker
+    http_listen: str = "127.0.0.1:8080"
+    data_dir: str = "denpex-data"
+    rules: str | None = None  # rule library folder; None = the bundled one
+    client_id: str = "denpexd"
+    session_expiry_s: int = 86_400
+    job_idle_close_s: float = 900.0
+    max_open_jobs: int = 10_000
+    job_queue_batches: int = 64
+    dedup_ids_per_job: int = 200_000
+    debounce_s: float = 0.2
+    retention_days: float = 14.0
+    alertmanager: str | None = None
+    alert_repeat_s: float = 60.0
+    api_token: str | None = None
+    shutdown_timeout_s: float = 10.0
+    log_level: str = "info"
+
+    @property
+    def store_path(self) -> Path:
+        return Path(self.data_dir) / "denpex.sqlite"
+
+    def redacted(self) -> dict[str, Any]:
+        """The configuration as logged: no token, no broker password."""
+        out = dataclasses.asdict(self)
+        if out["api_token"]:
+            out["api_token"] = "***"
+        if out["broker"]:
+            u = urlsplit(out["broker"])
+            if u.password:
+                out["broker"] = out["broker"].replace(f":{u.password}@", ":***@")
+        return out
+
+
+_FIELDS = {f.name: f for f in dataclasses.fields(ServeConfig)}
+_DEFAULTS = ServeConfig()
+
+
+def _coerce(key: str, value: Any, source: str) -> Any:
+    default = getattr(_DEFAULTS, key)
+    kind = type(default) if default is not None else str
+    where = f"{key} (from {source})"
+    if value is None:
+        return None
+    if isinstance(value, str) and kind is not str:
+        try:
+            return kind(value)
+        except ValueError:
+            raise ConfigError(where, f"expected {kind.__name__}, got {value!r}") from None
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if not isinstance(value, kind) or isinstance(value, bool):
+        raise ConfigError(where, f"expected {kind.__name__}, got {type(value).__name__}")
+    return value
+
+
+def _host_port(key: str, value: str) -> tuple[str, int]:
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ConfigError(key, f"expected HOST:PORT, got {value!r}")
+    return host, int(port)
+
+
+def split_listen(value: str) -> tuple[str, int]:
+    return _host_port("listen", value)
+
+
+def _validate(cfg: ServeConfig) -> ServeConfig:
+    _host_port("mqtt_listen", cfg.mqtt_listen)
+    _host_port("http_listen", cfg.http_listen)
+    if cfg.broker is not None:
+        u = urlsplit(cfg.broker)
+        if u.scheme not in ("mqtt", "mqtts") or not u.hostname:
+            raise ConfigError("broker", f"expected mqtt[s]://[user:pass@]host[:port], got {cfg.broker!r}")
+    if cfg.alertmanager is not None and urlsplit(cfg.alertmanager).scheme not in ("http", "https"):
+        raise ConfigError("alertmanager", f"expected an http(s) URL, got {cfg.alertmanager!r}")
+    for key in ("max_open_jobs", "job_queue_batches", "dedup_ids_per_job", "session_expiry_s"):
+        if getattr(cfg, key) < 1:
+            raise ConfigError(key, "must be >= 1")
+    for key in ("job_idle_close_s", "debounce_s", "retention_days", "alert_repeat_s", "shutdown_timeout_s"):
+        if getattr(cfg, key) <= 0:
+            raise ConfigError(key, "must be > 0")
+    if cfg.log_level.lower() not in ("debug", "info", "warning", "error"):
+        raise ConfigError("log_level", "must be debug, info, warning or error")
+    return cfg
+
+
+def read_file(path: str | Path) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as fh:
+            raw = tomllib.load(fh)
+    except OSError as exc:
+        raise ConfigError("--config", f"cannot read {path}: {exc.strerror}") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError("--config", f"{path} is not valid TOML: {exc}") from exc
+    # accept either top-level keys or a [serve] table
+    table = raw.pop("serve", {}) if isinstance(raw.get("serve"), dict) else {}
+    return {**raw, **table}
+
+
+def load_config(
+    path: str | Path | None = None,
+    *,
+    env: Mapping[str, str] | None = None,
+    flags: Mapping[str, Any] | None = None,
+) -> ServeConfig:
+    """Merge defaults < file < environment < flags into one validated `ServeConfig`."""
+    values: dict[str, Any] = {}
+    for key, value in (read_file(path) if path is not None else {}).items():
+        if key not in _FIELDS:
+            raise ConfigError(key, f"unknown key in {path} (known: {', '.join(sorted(_FIELDS))})")
+        values[key] = _coerce(key, value, str(path))
+    for name, value in (env if env is not None else os.environ).items():
+        if not name.startswith(ENV_PREFIX) or name in _ENV_IGNORED:
+            continue
+        key = name[len(ENV_PREFIX) :].lower()
+        if key not in _FIELDS:
+            continue  # DENPEX_* variables of the agent or the query client share the prefix
+        values[key] = _coerce(key, value, name)
+    for key, value in (flags or {}).items():
+        if key not in _FIELDS:
+            raise ConfigError(key, "unknown option")
+        if value is not None:
+            values[key] = _coerce(key, value, "command line")
+    return _validate(ServeConfig(**values))

@@ -1,0 +1,369 @@
+"""Open jobs: one `Engine` per job, fed incrementally, diagnosed after each change (debounced).
+
+Batches wait in a bounded queue per job (ingest waits when it is full); one worker drains the
+jobs round-robin: duplicates are dropped by event id (bounded LRU per job), events go to the
+engine and to the store. A diagnosis task recomputes dirty jobs at most every `debounce_s`,
+publishes the result retained on `denpex/v1/jobs/<job>/diagnosis`, stores it, updates the
+per-job metrics and lets the alerter decide. Jobs idle for `job_idle_close_s` are closed; when
+`max_open_jobs` is reached the least recently active job is evicted (and counted).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter, OrderedDict, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import orjson
+
+from denpex_agent import wire
+from denpex_agent.rules import RuleSet
+from denpexd.alerts import Alerter
+from denpexd.config import ServeConfig
+from denpexd.engine import Engine
+from denpexd.ingest import Ack
+from denpexd.metrics import Metrics
+from denpexd.store import EventWriter, Store, event_row
+
+log = logging.getLogger(__name__)
+
+MAX_AGENT_JOBS = 100_000  # jobs whose agents' statuses are remembered
+
+
+class Bus(Protocol):
+    async def publish(self, topic: str, payload: bytes, *, retain: bool = False) -> None: ...
+
+
+@dataclass(slots=True)
+class JobState:
+    job: str
+    engine: Engine
+    first_seen: float
+    last_seen: float
+    seen: OrderedDict[str, None] = field(default_factory=OrderedDict)
+    pending: deque[tuple[wire.Batch, Ack, float]] = field(default_factory=deque)
+    room: asyncio.Event = field(default_factory=asyncio.Event)
+    scheduled: bool = False
+    dirty_since: float | None = None
+    last_diagnosis_at: float = 0.0
+    diagnosis_cost: float = 0.0
+    diagnosis: dict[str, Any] | None = None
+    arrivals: dict[tuple[str, int | None, str], float] = field(default_factory=dict)
+    failure_observed: bool = False
+    labels: dict[str, Any] = field(default_factory=dict)
+    suppressed: int = 0
+
+
+class JobTable:
+    def __init__(
+        self,
+        cfg: ServeConfig,
+        rules: RuleSet,
+        store: Store,
+        metrics: Metrics,
+        alerter: Alerter,
+        *,
+        wall: Callable[[], float] = time.time,
+        monotonic: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.cfg, self.rules, self.store, self.metrics, self.alerter = cfg, rules, store, metrics, alerter
+        self.bus: Bus | None = None
+        self._wall, self._mono = wall, monotonic
+        self.jobs: OrderedDict[str, JobState] = OrderedDict()  # least recently active first
+        self.agents: OrderedDict[str, dict[str, dict[str, Any]]] = OrderedDict()  # job -> agent -> status
+        self._online = 0
+        self.writer = EventWriter(store, on_wait=metrics.backpressure.inc)
+        self._ready: deque[str] = deque()
+        self._work = asyncio.Event()
+        self._dirty = asyncio.Event()
+        self._dirty_jobs: dict[str, JobState] = {}
+        self._busy = False
+
+    # -- intake (called by ingest) ----------------------------------------------------------------
+
+    def _open(self, job: str, first_seen: float | None = None) -> JobState:
+        state = self.jobs.get(job)
+        if state is not None:
+            self.jobs.move_to_end(job)
+            return state
+        while len(self.jobs) >= self.cfg.max_open_jobs:
+            old, _ = next(iter(self.jobs.items()))
+            self._evict(old)
+        now = self._wall()
+        state = JobState(job, Engine(job, self.rules), first_seen or now, now)
+        state.room.set()
+        self.jobs[job] = state
+        self.metrics.jobs_open.set(len(self.jobs))
+        return state
+
+    def _evict(self, job: str) -> None:
+        state = self.jobs.pop(job)
+        self.metrics.jobs_evicted.inc()
+        dropped: Counter[str] = Counter()
+        for batch, ack, _ in state.pending:
+            dropped.update(e.kind for e in batch.events)
+            ack()
+        self.metrics.dropped(dropped)
+        state.pending.clear()
+        state.room.set()
+        self.alerter.active.pop(job, None)
+        self._forget(state)
+        log.warning("open job evicted (max_open_jobs reached) job=%s", job)
+
+    async def submit(self, batch: wire.Batch, ack: Ack) -> None:
+        state = self._open(batch.job)
+        while len(state.pending) >= self.cfg.job_queue_batches:
+            self.metrics.backpressure.inc()
+            state.room.clear()
+            await state.room.wait()
+            state = self._open(batch.job)  # it may have been evicted meanwhile
+        state.pending.append((batch, ack, self._mono()))
+        if not state.scheduled:
+            state.scheduled = True
+            self._ready.append(batch.job)
+            self._work.set()
+
+    def agent_status(self, job: str, agent: str, node: str, state: str) -> None:
+        per_job = self.agents.setdefault(job, {})
+        self.agents.move_to_end(job)
+        old = per_job.get(agent)
+        self._online -= 1 if old is not None and old["state"] == "online" else 0
+        per_job[agent] = {"agent": agent, "node": node, "state": state, "at": self._wall()}
+        self._online += 1 if state == "online" else 0
+        while len(self.agents) > MAX_AGENT_JOBS:
+            _, gone = self.agents.popitem(last=False)
+            self._online -= sum(1 for a in gone.values() if a["state"] == "online")
+        if state == "offline":
+            self.metrics.agents_offline.inc()
+            log.info("agent offline job=%s agent=%s node=%s", job, agent, node)
+        if job in self.jobs:
+            self._mark_dirty(self.jobs[job])  # the job view shows its agents
+        self.metrics.agents_connected.set(self._online)
+
+    # -- the worker ---------------------------------------------------------------------------------
+
+    async def run_worker(self) -> None:
+        while True:
+            await self._work.wait()
+            self._work.clear()
+            self._busy = True
+            while self._ready:
+                job = self._ready.popleft()
+                state = self.jobs.get(job)
+                if state is None:
+                    continue
+                state.scheduled = False
+                while state.pending:
+                    batch, ack, received = state.pending.popleft()
+                    state.room.set()
+                    await self._process(state, batch, ack, received)
+                    if self.jobs.get(job) is not state:
+                        break
+            self._busy = False
+
+    async def _process(self, state: JobState, batch: wire.Batch, ack: Ack, received: float) -> None:
+        seen, engine, limit = state.seen, state.engine, self.cfg.dedup_ids_per_job
+        kinds: Counter[str] = Counter()
+        dups: Counter[str] = Counter()
+        nan: Counter[str] = Counter()
+        rows = []
+        wall = self._wall()
+        newest: float | None = None
+        for ev in batch.events:
+            if ev.id in seen:
+                dups[ev.kind] += 1
+                continue
+            seen[ev.id] = None
+            if len(seen) > limit:
+                seen.popitem(last=False)
+            engine.add(ev)
+            kinds[ev.kind] += 1
+            rows.append(event_row(ev, wall))
+            if ev.ts is not None and (newest is None or ev.ts > newest):
+                newest = ev.ts
+            if ev.kind == "match" and ev.rule is not None:
+                key = (ev.node, ev.rank, ev.rule)
+                if key not in state.arrivals:
+                    state.arrivals[key] = received
+                rule = self.rules.get(ev.rule)
+                if rule is not None and rule.fingerprint == "nan":
+                    nan["error" if ev.severity in ("error", "critical") else "warn"] += 1
+            elif ev.kind == "progress":
+                nan["info"] += 1
+        state.last_seen = wall
+        self.metrics.ingested(kinds)
+        self.metrics.duplicates(dups)
+        for stage, n in nan.items():
+            self.metrics.nan_events.labels(state.job, stage).inc(n)
+        if newest is not None:
+            self.metrics.ingest_lag.observe(max(0.0, wall - newest))
+        if kinds:
+            self._mark_dirty(state)
+        await self.writer.add(rows, state.job, state.first_seen, wall, ack)
+
+    def _mark_dirty(self, state: JobState) -> None:
+        if state.dirty_since is None:
+            state.dirty_since = self._mono()
+            if not self._dirty_jobs:
+                self._dirty.set()  # the diagnoser sleeps without a deadline only when nothing is dirty
+            self._dirty_jobs[state.job] = state
+
+    # -- diagnoses ----------------------------------------------------------------------------------
+
+    def _due(self, state: JobState) -> float:
+        assert state.dirty_since is not None
+        min_gap = max(self.cfg.debounce_s, 4 * state.diagnosis_cost)
+        return max(state.dirty_since + self.cfg.debounce_s, state.last_diagnosis_at + min_gap)
+
+    async def run_diagnoser(self) -> None:
+        while True:
+            dirty = [s for s in self._dirty_jobs.values() if s.dirty_since is not None]
+            if not dirty:
+                self._dirty.clear()
+                await self._dirty.wait()
+                continue
+            now = self._mono()
+            wake = min(self._due(s) for s in dirty)
+            if wake > now:
+                self._dirty.clear()
+                try:
+                    async with asyncio.timeout(wake - now):
+                        await self._dirty.wait()
+                except TimeoutError:
+                    pass
+                continue
+            for state in dirty:
+                if (
+                    state.dirty_since is not None
+                    and self._due(state) <= now
+                    and self.jobs.get(state.job) is state
+                ):
+                    await self.diagnose(state)
+
+    async def diagnose(self, state: JobState) -> dict[str, Any]:
+        state.dirty_since = None
+        self._dirty_jobs.pop(state.job, None)
+        t0 = time.perf_counter()
+        doc = state.engine.diagnose()
+        state.diagnosis_cost = time.perf_counter() - t0
+        state.last_diagnosis_at = self._mono()
+        self.metrics.diagnoses.inc()
+        self.metrics.diagnosis_seconds.observe(state.diagnosis_cost)
+        doc["agents"] = sorted(self.agents.get(state.job, {}).values(), key=lambda a: str(a["agent"]))
+        doc["open"] = True
+        state.diagnosis = doc
+        self._export(state, doc)
+        if self.bus is not None:
+            await self.bus.publish(
+                wire.diagnosis_topic(state.job),
+                orjson.dumps(doc, option=orjson.OPT_NON_STR_KEYS),
+                retain=True,
+            )
+        await self.store.save_diagnosis(state.job, doc)
+        await self.alerter.on_diagnosis(state.job, doc)
+        return doc
+
+    def _export(self, state: JobState, doc: dict[str, Any]) -> None:
+        m, job, ini = self.metrics, state.job, doc.get("initiator")
+        if doc["verdict"] == "failed" and ini:
+            labels = (job, str(ini["rank"]) if ini["rank"] is not None else "", ini["node"], ini["category"])
+            old = state.labels.get("failed")
+            if old is not None and old != labels:
+                m.job_failed.remove(*old)
+            m.job_failed.labels(*labels).set(1)
+            state.labels["failed"] = labels
+            if not state.failure_observed:
+                state.failure_observed = True
+                arrived = state.arrivals.get((ini["node"], ini["rank"], ini["rule"]))
+                if arrived is not None:
+                    m.warning_to_diagnosis.observe(self._mono() - arrived)
+        stage = doc["fingerprints"]["nan"]["stage"]
+        for s in ("none", "info", "warn", "error"):
+            m.nan_stage.labels(job, s).set(1 if s == stage else 0)
+        delta = doc.get("suppressed", 0) - state.suppressed
+        if delta > 0:
+            m.collateral_suppressed.labels(job).inc(delta)
+            state.suppressed += delta
+        nodes = set(doc.get("clock", {}))
+        for node, c in doc.get("clock", {}).items():
+            m.clock_offset.labels(node).set(c["offset_s"])
+            m.clock_uncertainty.labels(node).set(c["uncertainty_s"])
+        state.labels["nodes"] = nodes | set(state.labels.get("nodes", ()))
+
+    async def current(self, job: str) -> dict[str, Any] | None:
+        """The job's diagnosis, recomputed first when events arrived since the last one."""
+        state = self.jobs.get(job)
+        if state is None:
+            return None
+        if state.dirty_since is not None or state.diagnosis is None:
+            return await self.diagnose(state)
+        return state.diagnosis
+
+    # -- closing ------------------------------------------------------------------------------------
+
+    async def run_closer(self) -> None:
+        idle = self.cfg.job_idle_close_s
+        while True:
+            await asyncio.sleep(min(max(idle / 4, 0.05), 30.0))
+            cutoff = self._wall() - self.cfg.job_idle_close_s
+            for job in [j for j, s in self.jobs.items() if s.last_seen < cutoff and not s.pending]:
+                await self.close(job)
+
+    async def close(self, job: str) -> None:
+        state = self.jobs.get(job)
+        if state is None:
+            return
+        doc = await self.diagnose(state)
+        doc["open"] = False
+        await self.store.save_diagnosis(job, doc)
+        if self.bus is not None:
+            await self.bus.publish(
+                wire.diagnosis_topic(job), orjson.dumps(doc, option=orjson.OPT_NON_STR_KEYS), retain=True
+            )
+        if self.jobs.get(job) is state:
+            del self.jobs[job]
+        await self.store.close_job(job, self._wall())
+        await self.alerter.on_close(job)
+        self._forget(state)
+        self.metrics.jobs_closed.inc()
+        log.info("job closed job=%s verdict=%s", job, doc["verdict"])
+
+    def _forget(self, state: JobState) -> None:
+        self._dirty_jobs.pop(state.job, None)
+        self.metrics.remove_job(state.job, state.labels)
+        self.metrics.jobs_open.set(len(self.jobs))
+
+    # -- restore and drain ----------------------------------------------------------------------------
+
+    async def restore(self) -> int:
+        """Rebuild open jobs from stored events (after a restart, `kill -9` included)."""
+        restored = 0
+        for job, first_seen, last_seen in reversed(await self.store.open_jobs(self.cfg.max_open_jobs)):
+            state = self._open(job, first_seen)
+            state.last_seen = last_seen
+            for ev in await self.store.load_events(job):
+                state.seen[ev.id] = None
+                state.engine.add(ev)
+            while len(state.seen) > self.cfg.dedup_ids_per_job:
+                state.seen.popitem(last=False)
+            self.alerter.restore(job, await self.store.incidents(job))
+            state.failure_observed = job in self.alerter.active
+            self._mark_dirty(state)
+            restored += 1
+        if restored:
+            log.info("restored open jobs from the store jobs=%d", restored)
+        return restored
+
+    async def drain(self) -> None:
+        """Process what is queued, commit it, and publish the final diagnoses of dirty jobs."""
+        while self._ready or self._busy:
+            self._work.set()
+            await asyncio.sleep(0.01)
+        await self.writer.flush()
+        for state in list(self.jobs.values()):
+            if state.dirty_since is not None:
+                await self.diagnose(state)

@@ -1,0 +1,180 @@
+"""`denpexd serve`: the live correlator's lifecycle.
+
+Start in order — store, broker (embedded unless `--broker`), alert sinks, jobs restored from the
+store, ingest, HTTP API — and stop in reverse. SIGTERM/SIGINT stop ingest, drain what was
+received (processed, stored, acknowledged, final diagnoses published) within
+`shutdown_timeout_s`; a second signal cancels at once. SIGHUP reloads configuration and rules
+through `load()`, the same path as startup; a bad reload keeps the running ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry
+
+from denpex_agent.errors import RuleError
+from denpex_agent.rules import RuleSet, load_rules
+from denpexd.alerts import Alerter, AlertmanagerSink, AlertSink, MqttSink
+from denpexd.api import Api
+from denpexd.broker import EmbeddedBroker
+from denpexd.config import ServeConfig
+from denpexd.errors import ConfigError, DenpexdError
+from denpexd.ingest import Ingest
+from denpexd.jobs import JobTable
+from denpexd.metrics import Metrics
+from denpexd.store import Store
+
+log = logging.getLogger(__name__)
+
+RETENTION_EVERY_S = 3600.0
+
+
+@dataclass(frozen=True, slots=True)
+class Loaded:
+    cfg: ServeConfig
+    rules: RuleSet
+
+
+Loader = Callable[[], ServeConfig]
+
+
+def load(loader: Loader) -> Loaded:
+    """Configuration and rules, as at startup and on every SIGHUP."""
+    cfg = loader()
+    try:
+        rules = load_rules(cfg.rules) if cfg.rules else load_rules()
+    except RuleError as exc:
+        raise ConfigError("rules", str(exc)) from exc
+    return Loaded(cfg, rules)
+
+
+class App:
+    def __init__(self, loader: Loader, *, registry: CollectorRegistry | None = None) -> None:
+        self.loader = loader
+        self.loaded = load(loader)
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.metrics = Metrics(self.registry)
+        self._stop = asyncio.Event()
+        self._signals = 0
+        self.table: JobTable | None = None
+        self._main: asyncio.Task[None] | None = None
+        self.http_port = 0
+
+    def request_stop(self, signame: str = "stop") -> None:
+        self._signals += 1
+        if self._signals == 1:
+            log.info("stopping: draining in-flight batches signal=%s", signame)
+            self._stop.set()
+        else:
+            log.warning("second signal: stopping now signal=%s", signame)
+            if self._main is not None:
+                self._main.cancel()
+
+    def reload(self) -> None:
+        try:
+            new = load(self.loader)
+        except (DenpexdError, OSError) as exc:
+            self.metrics.reloads.labels("error").inc()
+            log.error("reload failed; keeping the running configuration and rules error=%s", exc)
+            return
+        old = self.loaded.cfg
+        for key in ("mqtt_listen", "broker", "http_listen", "data_dir", "client_id"):
+            if getattr(old, key) != getattr(new.cfg, key):
+                log.warning("reload: %s changes only on restart key=%s", key, key)
+        self.loaded = new
+        if self.table is not None:
+            self.table.rules = new.rules
+            self.table.cfg = new.cfg
+            for state in self.table.jobs.values():
+                state.engine.rules = new.rules
+            self.table.alerter.repeat_s = new.cfg.alert_repeat_s
+        self.metrics.reloads.labels("ok").inc()
+        log.info("reloaded configuration and rules rules=%d", len(new.rules))
+
+    async def run(self) -> None:
+        self._main = asyncio.current_task()
+        loop = asyncio.get_running_loop()
+        for sig, name in ((signal.SIGTERM, "SIGTERM"), (signal.SIGINT, "SIGINT")):
+            loop.add_signal_handler(sig, self.request_stop, name)
+        loop.add_signal_handler(signal.SIGHUP, self.reload)
+        try:
+            await self._run()
+        finally:
+            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+                loop.remove_signal_handler(sig)
+
+    async def _run(self) -> None:
+        cfg = self.loaded.cfg
+        log.info("starting denpexd serve config=%s", cfg.redacted())
+        async with contextlib.AsyncExitStack() as stack:
+            store = await stack.enter_async_context(Store(cfg.store_path))
+            if cfg.broker is None:
+                await stack.enter_async_context(EmbeddedBroker(cfg.mqtt_listen))
+            sinks: list[AlertSink] = []
+            if cfg.alertmanager:
+                sinks.append(await stack.enter_async_context(AlertmanagerSink(cfg.alertmanager)))
+            alerter = Alerter(
+                store, self.metrics, sinks, generator=f"http://{cfg.http_listen}", repeat_s=cfg.alert_repeat_s
+            )
+            table = self.table = JobTable(cfg, self.loaded.rules, store, self.metrics, alerter)
+            await table.restore()
+            ingest = await stack.enter_async_context(Ingest(cfg, table, self.metrics))
+            table.bus = ingest
+            sinks.append(MqttSink(ingest))
+            api = await stack.enter_async_context(
+                Api(
+                    cfg.http_listen,
+                    table,
+                    store,
+                    self.registry,
+                    token=cfg.api_token,
+                    ready=lambda: ingest.ready,
+                )
+            )
+            self.http_port = api.port
+            log.info("denpexd serve ready http=%s mqtt=%s", cfg.http_listen, ingest.address)
+            async with asyncio.TaskGroup() as tg:
+                consumer = tg.create_task(ingest.run(), name="ingest")
+                workers = [
+                    tg.create_task(table.run_worker(), name="job-worker"),
+                    tg.create_task(table.writer.run(), name="store-writer"),
+                    tg.create_task(table.run_diagnoser(), name="diagnoser"),
+                    tg.create_task(table.run_closer(), name="job-closer"),
+                    tg.create_task(alerter.run(), name="alerter"),
+                    tg.create_task(self._retention(store), name="retention"),
+                ]
+                await self._stop.wait()
+                consumer.cancel()
+                try:
+                    async with asyncio.timeout(self.loaded.cfg.shutdown_timeout_s):
+                        await table.drain()
+                        await alerter.drain()
+                except TimeoutError:
+                    log.warning("shutdown timeout: some batches were not drained (they stay unacknowledged)")
+                for task in workers:
+                    task.cancel()
+        log.info("denpexd serve stopped")
+
+    async def _retention(self, store: Store) -> None:
+        while True:
+            cutoff = time.time() - self.loaded.cfg.retention_days * 86_400
+            removed = await store.apply_retention(cutoff)
+            if removed:
+                log.info("retention removed closed jobs jobs=%d", removed)
+            await asyncio.sleep(RETENTION_EVERY_S)
+
+
+def run_serve(loader: Loader) -> None:
+    """Load, then serve until stopped; raises `DenpexdError` subclasses for the CLI to report."""
+    app = App(loader)
+    try:
+        asyncio.run(app.run())
+    except asyncio.CancelledError:
+        log.warning("stopped by a second signal without draining")

@@ -1,0 +1,52 @@
+"""`denpexd serve` and `denpexd validate`: turn arguments into a `ServeConfig` loader and run."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from typing import Any
+
+from denpexd.config import ServeConfig, load_config
+from denpexd.errors import DenpexdError
+from denpexd.serve import load, run_serve
+
+FLAG_KEYS = (
+    "mqtt_listen", "broker", "http_listen", "data_dir", "rules", "client_id", "job_idle_close_s",
+    "max_open_jobs", "alertmanager", "api_token", "log_level",
+)  # fmt: skip
+
+
+def _loader(args: argparse.Namespace) -> Any:
+    path = args.config or os.environ.get("DENPEX_CONFIG") or None
+    flags = {k: getattr(args, k, None) for k in FLAG_KEYS}
+
+    def loader() -> ServeConfig:
+        return load_config(path, env=os.environ, flags=flags)
+
+    return loader
+
+
+def run(args: argparse.Namespace) -> int:
+    loader = _loader(args)
+    if args.command == "validate":
+        try:
+            loaded = load(loader)
+        except DenpexdError as exc:
+            print(f"denpexd validate: {exc}", file=sys.stderr)
+            return 2
+        print(f"configuration ok: {len(loaded.rules)} rules, store {loaded.cfg.store_path}")
+        return 0
+    try:
+        cfg = loader()
+    except DenpexdError as exc:
+        print(f"denpexd serve: {exc}", file=sys.stderr)
+        return 2
+    logging.getLogger().setLevel(cfg.log_level.upper())
+    try:
+        run_serve(loader)
+    except DenpexdError as exc:
+        print(f"denpexd serve: {exc}", file=sys.stderr)
+        return 1
+    return 0

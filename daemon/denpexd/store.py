@@ -1,0 +1,296 @@
+"""SQLite store: events, diagnoses and incidents per job (WAL, migrations by `user_version`).
+
+One dedicated thread owns the connection; every method is a coroutine that runs its statement
+there, so the event loop never waits on the disk. Events are keyed by (job, event id), so writing
+a duplicate is a no-op and a restart can rebuild the dedup sets from what is stored.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Self, TypeVar
+
+import orjson
+
+from denpex_agent.events import Event
+from denpex_agent.wire import event_to_wire
+from denpexd.errors import StoreError
+
+T = TypeVar("T")
+
+_MIGRATIONS: tuple[str, ...] = (
+    """
+    CREATE TABLE jobs (
+        job TEXT PRIMARY KEY, first_seen REAL NOT NULL, last_seen REAL NOT NULL, closed_at REAL,
+        verdict TEXT, initiator_node TEXT, initiator_rank INTEGER, category TEXT);
+    CREATE TABLE events (
+        seq INTEGER PRIMARY KEY, job TEXT NOT NULL, id TEXT NOT NULL, node TEXT NOT NULL,
+        rank INTEGER, kind TEXT NOT NULL, ts REAL, received REAL NOT NULL, doc BLOB NOT NULL,
+        UNIQUE (job, id));
+    CREATE INDEX events_job_rank ON events (job, rank, seq);
+    CREATE TABLE diagnoses (job TEXT PRIMARY KEY, updated REAL NOT NULL, doc BLOB NOT NULL);
+    CREATE TABLE incidents (
+        job TEXT NOT NULL, incident TEXT NOT NULL, fired_at REAL NOT NULL, resolved_at REAL,
+        alert BLOB NOT NULL, PRIMARY KEY (job, incident));
+    """,
+)
+
+EventRow = tuple[str, str, str, int | None, str, float | None, float, bytes]
+
+
+def event_row(ev: Event, received: float) -> EventRow:
+    return (
+        ev.job,
+        ev.id,
+        ev.node,
+        ev.rank,
+        ev.kind,
+        ev.ts,
+        received,
+        orjson.dumps(event_to_wire(ev)),
+    )
+
+
+class Store:
+    """`async with Store(path) as store:` opens (and migrates) the database in its own thread."""
+
+    def __init__(self, path: Path, *, clock: Callable[[], float] = time.time) -> None:
+        self.path = path
+        self._clock = clock
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="denpex-store")
+        self._db: sqlite3.Connection | None = None
+
+    async def __aenter__(self) -> Self:
+        await self._run(self._open)
+        return self
+
+    async def __aexit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self._run(self._close)
+        self._pool.shutdown(wait=True)
+
+    async def _run(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    # -- in the store thread ----------------------------------------------------------------------
+
+    def _open(self) -> None:
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+            db.execute("PRAGMA journal_mode=WAL")
+            db.execute("PRAGMA synchronous=NORMAL")
+            db.execute("PRAGMA busy_timeout=5000")
+            version = db.execute("PRAGMA user_version").fetchone()[0]
+            if version > len(_MIGRATIONS):
+                raise StoreError(str(self.path), f"schema version {version} is newer than this denpexd")
+            for i in range(version, len(_MIGRATIONS)):
+                db.executescript(f"BEGIN; {_MIGRATIONS[i]}; PRAGMA user_version={i + 1}; COMMIT;")
+        except (sqlite3.Error, OSError) as exc:
+            raise StoreError(str(self.path), str(exc)) from exc
+        self._db = db
+
+    def _close(self) -> None:
+        if self._db is not None:
+            self._db.close()
+            self._db = None
+
+    @property
+    def db(self) -> sqlite3.Connection:
+        assert self._db is not None, "store is not open"
+        return self._db
+
+    def _write_events(self, rows: list[EventRow], jobs: dict[str, tuple[float, float]]) -> int:
+        db = self.db
+        db.execute("BEGIN")
+        before = db.total_changes
+        db.executemany(
+            "INSERT OR IGNORE INTO events (job, id, node, rank, kind, ts, received, doc)"
+            " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+            rows,
+        )
+        written = db.total_changes - before
+        db.executemany(
+            "INSERT INTO jobs (job, first_seen, last_seen) VALUES (?, ?, ?) ON CONFLICT (job) DO UPDATE"
+            " SET last_seen = max(last_seen, excluded.last_seen), closed_at = NULL",
+            [(job, first, last) for job, (first, last) in jobs.items()],
+        )
+        db.execute("COMMIT")
+        return written
+
+    def _save_diagnosis(self, job: str, doc: dict[str, Any]) -> None:
+        ini = doc.get("initiator") or {}
+        rc = doc.get("root_cause") or {}
+        now = self._clock()
+        db = self.db
+        db.execute("BEGIN")
+        db.execute(
+            "INSERT INTO diagnoses (job, updated, doc) VALUES (?, ?, ?) ON CONFLICT (job) DO UPDATE"
+            " SET updated = excluded.updated, doc = excluded.doc",
+            (job, now, orjson.dumps(doc, option=orjson.OPT_NON_STR_KEYS)),
+        )
+        db.execute(
+            "UPDATE jobs SET verdict = ?, initiator_node = ?, initiator_rank = ?, category = ? WHERE job = ?",
+            (doc.get("verdict"), ini.get("node"), ini.get("rank"), rc.get("category"), job),
+        )
+        db.execute("COMMIT")
+
+    def _load_events(self, job: str) -> list[Event]:
+        out = []
+        for node, doc in self.db.execute("SELECT node, doc FROM events WHERE job = ? ORDER BY seq", (job,)):
+            out.append(Event(job=job, node=node, **orjson.loads(doc)))
+        return out
+
+    # -- coroutines -------------------------------------------------------------------------------
+
+    async def write_events(self, rows: list[EventRow], jobs: dict[str, tuple[float, float]]) -> int:
+        return await self._run(self._write_events, rows, jobs)
+
+    async def save_diagnosis(self, job: str, doc: dict[str, Any]) -> None:
+        await self._run(self._save_diagnosis, job, doc)
+
+    async def close_job(self, job: str, at: float) -> None:
+        await self._run(self._exec, "UPDATE jobs SET closed_at = ? WHERE job = ?", (at, job))
+
+    async def record_incident(self, job: str, incident: str, fired_at: float, alert: dict[str, Any]) -> None:
+        await self._run(
+            self._exec,
+            "INSERT OR IGNORE INTO incidents (job, incident, fired_at, alert) VALUES (?, ?, ?, ?)",
+            (job, incident, fired_at, orjson.dumps(alert)),
+        )
+
+    async def resolve_incident(self, job: str, incident: str, at: float) -> None:
+        await self._run(
+            self._exec,
+            "UPDATE incidents SET resolved_at = ? WHERE job = ? AND incident = ? AND resolved_at IS NULL",
+            (at, job, incident),
+        )
+
+    async def incidents(self, job: str) -> list[tuple[str, float, float | None, dict[str, Any]]]:
+        rows = await self._run(
+            self._query,
+            "SELECT incident, fired_at, resolved_at, alert FROM incidents WHERE job = ? ORDER BY fired_at",
+            (job,),
+        )
+        return [(i, f, r, orjson.loads(a)) for i, f, r, a in rows]
+
+    async def open_jobs(self, limit: int) -> list[tuple[str, float, float]]:
+        rows = await self._run(
+            self._query,
+            "SELECT job, first_seen, last_seen FROM jobs WHERE closed_at IS NULL ORDER BY last_seen DESC LIMIT ?",
+            (limit,),
+        )
+        return [(j, f, last) for j, f, last in rows]
+
+    async def load_events(self, job: str) -> list[Event]:
+        return await self._run(self._load_events, job)
+
+    async def list_jobs(self, limit: int) -> list[dict[str, Any]]:
+        rows = await self._run(
+            self._query,
+            "SELECT job, first_seen, last_seen, closed_at, verdict, initiator_node, initiator_rank, category"
+            " FROM jobs ORDER BY last_seen DESC LIMIT ?",
+            (limit,),
+        )
+        keys = ("job", "first_seen", "last_seen", "closed_at", "verdict", "initiator_node")
+        return [
+            {**dict(zip(keys, r[:6], strict=True)), "initiator_rank": r[6], "category": r[7]} for r in rows
+        ]
+
+    async def diagnosis(self, job: str) -> dict[str, Any] | None:
+        rows = await self._run(self._query, "SELECT doc FROM diagnoses WHERE job = ?", (job,))
+        return orjson.loads(rows[0][0]) if rows else None
+
+    async def job_exists(self, job: str) -> bool:
+        return bool(await self._run(self._query, "SELECT 1 FROM jobs WHERE job = ?", (job,)))
+
+    async def events(self, job: str, rank: int | None, limit: int) -> list[dict[str, Any]]:
+        if rank is None:
+            sql, args = "SELECT node, doc FROM events WHERE job = ? ORDER BY seq LIMIT ?", (job, limit)
+        else:
+            sql = "SELECT node, doc FROM events WHERE job = ? AND rank = ? ORDER BY seq LIMIT ?"
+            args = (job, rank, limit)  # type: ignore[assignment]
+        rows = await self._run(self._query, sql, args)
+        return [{"job": job, "node": node, **orjson.loads(doc)} for node, doc in rows]
+
+    async def apply_retention(self, closed_before: float) -> int:
+        return await self._run(self._retention, closed_before)
+
+    def _retention(self, closed_before: float) -> int:
+        db = self.db
+        old = [r[0] for r in db.execute("SELECT job FROM jobs WHERE closed_at < ?", (closed_before,))]
+        db.execute("BEGIN")
+        for table in ("events", "diagnoses", "incidents", "jobs"):
+            db.executemany(f"DELETE FROM {table} WHERE job = ?", [(j,) for j in old])
+        db.execute("COMMIT")
+        return len(old)
+
+    def _exec(self, sql: str, args: Iterable[Any]) -> None:
+        self.db.execute(sql, tuple(args))
+
+    def _query(self, sql: str, args: Iterable[Any]) -> list[tuple[Any, ...]]:
+        return self.db.execute(sql, tuple(args)).fetchall()
+
+
+class EventWriter:
+    """Batches event rows into one transaction per flush, then runs the deliveries' acks.
+
+    `add()` waits while more than `max_rows` rows are buffered (back-pressure towards ingest).
+    """
+
+    def __init__(
+        self, store: Store, *, max_rows: int = 50_000, on_wait: Callable[[], None] | None = None
+    ) -> None:
+        self.store = store
+        self.max_rows = max_rows
+        self._on_wait = on_wait
+        self._rows: list[EventRow] = []
+        self._jobs: dict[str, tuple[float, float]] = {}
+        self._acks: list[Callable[[], None]] = []
+        self._wake = asyncio.Event()
+        self._room = asyncio.Event()
+        self._room.set()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self.written = 0
+
+    async def add(
+        self, rows: list[EventRow], job: str, first: float, last: float, ack: Callable[[], None]
+    ) -> None:
+        while len(self._rows) >= self.max_rows:
+            if self._on_wait is not None:
+                self._on_wait()
+            self._room.clear()
+            await self._room.wait()
+        self._rows.extend(rows)
+        prev = self._jobs.get(job)
+        self._jobs[job] = (min(first, prev[0]), max(last, prev[1])) if prev else (first, last)
+        self._acks.append(ack)
+        self._idle.clear()
+        self._wake.set()
+
+    async def run(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            rows, self._rows = self._rows, []
+            jobs, self._jobs = self._jobs, {}
+            acks, self._acks = self._acks, []
+            self._room.set()
+            if rows or jobs:
+                self.written += await self.store.write_events(rows, jobs)
+            for ack in acks:
+                ack()
+            if not self._rows and not self._acks:
+                self._idle.set()
+
+    async def flush(self) -> None:
+        """Wait until everything added so far is committed and acknowledged."""
+        await self._idle.wait()
