@@ -88,7 +88,7 @@ class AgentConfig:
     context_lines: int = 100
     read_chunk: int = 1 << 20
     max_inflight_bytes: int = 8 << 20
-    progress_interval: float = 1.0
+    progress_interval: float = 0.25
     shutdown_timeout: float = 5.0
     metrics_listen: str | None = None
     log_level: str = "info"

@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 BACKOFF_MIN_S = 0.2
 BACKOFF_MAX_S = 10.0
 PUBLISH_TIMEOUT_S = 10.0
+CONNECT_TIMEOUT_S = 3.0  # until the first connection: a silent broker is tried with 3.1.1 soon
 
 
 class PublishError(DenpexAgentError):
@@ -52,6 +53,7 @@ class Publisher:
         self._stopping = False
         self._task: asyncio.Task[None] | None = None
         self._protocol = self._initial_protocol()
+        self._settled = False  # a connection succeeded once with self._protocol
         self.connects = 0
         self.failures = 0
 
@@ -115,7 +117,7 @@ class Publisher:
             will=will,
             tls_context=tls_context,
             keepalive=15,
-            timeout=PUBLISH_TIMEOUT_S,
+            timeout=PUBLISH_TIMEOUT_S if self._settled else CONNECT_TIMEOUT_S,
         )
 
     async def _supervise(self) -> None:
@@ -125,6 +127,7 @@ class Publisher:
             try:
                 async with client:
                     self._client = client
+                    self._settled = True
                     self.connects += 1
                     delay = BACKOFF_MIN_S
                     await client.subscribe(wire.clock_reply_topic(self.cfg.agent), qos=1)
@@ -143,22 +146,31 @@ class Publisher:
                             self.on_clock_reply(message.payload, time.time())
             except aiomqtt.MqttError as exc:
                 self.failures += 1
-                if (
-                    self.cfg.mqtt_version == "auto"
-                    and self._protocol == aiomqtt.ProtocolVersion.V5
-                    and "protocol" in str(exc).lower()
-                ):
-                    log.warning(
-                        "broker refused MQTT v5; falling back to 3.1.1 broker=%s", self.url.redacted()
+                if self.cfg.mqtt_version == "auto" and not self._settled:
+                    # Some brokers refuse v5 outright, 3.1.1-only ones may never answer a v5
+                    # CONNECT: until one connection succeeded, alternate the two versions.
+                    nxt = (
+                        aiomqtt.ProtocolVersion.V311
+                        if self._protocol == aiomqtt.ProtocolVersion.V5
+                        else aiomqtt.ProtocolVersion.V5
                     )
-                    self._protocol = aiomqtt.ProtocolVersion.V311
-                    continue
-                log.warning(
-                    "broker connection lost; reconnecting broker=%s error=%s delay_s=%.2f",
-                    self.url.redacted(),
-                    exc,
-                    delay,
-                )
+                    log.warning(
+                        "connect failed; trying another MQTT version broker=%s tried=%s next=%s error=%s",
+                        self.url.redacted(),
+                        self._protocol.name,
+                        nxt.name,
+                        exc,
+                    )
+                    self._protocol = nxt
+                    if nxt == aiomqtt.ProtocolVersion.V311:
+                        continue
+                else:
+                    log.warning(
+                        "broker connection lost; reconnecting broker=%s error=%s delay_s=%.2f",
+                        self.url.redacted(),
+                        exc,
+                        delay,
+                    )
             finally:
                 self._connected.clear()
                 self._client = None

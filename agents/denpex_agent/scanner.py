@@ -29,6 +29,7 @@ MAX_CONTEXT_LINE = 1000
 MAX_EVENT_TEXT = 16 * 1024
 MAX_FOLD_LINES = 400
 MAX_CARRY = 512 * 1024
+TRUNCATED_MARKER = b" [denpex: line truncated]"
 TS_LOOKBACK_LINES = 64
 
 _CHAIN = ("During handling of the above exception", "The above exception was the direct cause")
@@ -101,9 +102,7 @@ class LineScanner:
         # time-based sampling (live): the newest step line, emitted at most every interval
         self.progress_interval = progress_interval
         self._clock = clock
-        # (hit, file offset, line number, the line's own timestamp or None): built into an
-        # event only when it is sent
-        self._pending_progress: tuple[Hit, int, int, float | None] | None = None
+        self._progress_seen_upto = start_offset
         self._last_emit = -1e18
 
     def prime(self, before: bytes) -> None:
@@ -142,21 +141,16 @@ class LineScanner:
         return self._last_ts
 
     def due_progress(self) -> list[Event]:
-        """The newest step line not sent yet, once the sampling interval has passed."""
-        pending = self._pending_progress
-        if pending is None or self._clock is None or self._clock() - self._last_emit < self.progress_interval:
+        """Live sampling: once per interval, and only when bytes arrived since the last look,
+        the newest step line of what was processed (searched backwards in the tail)."""
+        if self._clock is None or self.progress_interval <= 0 or self._base == self._progress_seen_upto:
             return []
-        self._pending_progress = None
-        self._last_emit = self._clock()
-        hit, offset, line_no, ts = pending
-        if ts is not None:
-            return [self._make_progress(hit, offset, line_no, b"", given=(ts, "line"))]
-        inherited = self.last_ts()
-        return [
-            self._make_progress(
-                hit, offset, line_no, b"", given=(inherited, "inherited" if inherited else "none")
-            )
-        ]
+        now = self._clock()
+        if now - self._last_emit < self.progress_interval:
+            return []
+        self._progress_seen_upto = self._base
+        self._last_emit = now
+        return self._newest_progress()
 
     @property
     def offset(self) -> int:
@@ -232,7 +226,7 @@ class LineScanner:
                 f"{self.source.file}: line at offset {self._base} longer than {self.max_line_bytes} bytes; "
                 "matched on its first bytes, the rest skipped"
             )
-        head = buf[: self.max_line_bytes] + b"\n"
+        head = buf[: self.max_line_bytes] + TRUNCATED_MARKER + b"\n"
         events, _ = self._process(head, len(head), final=True)
         self._base += len(buf) - len(head)  # _process advanced by len(head); account for the rest
         self._buf = b""
@@ -271,8 +265,12 @@ class LineScanner:
             absorbed_until = block_end
             events.append(self._event(buf, hit, rule, fields, block_end, counter))
         if consumed > 0:
-            events.extend(self._sample_progress(buf, consumed, counter))
-            self._advance(buf, consumed)
+            if self.progress_interval > 0 and self._clock is not None:
+                self._advance(buf, consumed)
+                events.extend(self.due_progress())
+            else:
+                events.extend(self._sample_progress(buf, consumed, counter))
+                self._advance(buf, consumed)
         self.stats.events += sum(1 for e in events if e.kind == "match")
         return events, consumed
 
@@ -483,21 +481,6 @@ class LineScanner:
 
     def _sample_progress(self, buf: bytes, consumed: int, counter: _LineCounter) -> list[Event]:
         hits: list[Hit] = []
-        if self.progress_interval > 0 and self._clock is not None:
-            for window in (1024, 8192, 65536, consumed):
-                last = self.matcher.last_progress(buf, max(consumed - window, 0), consumed)
-                if last is not None:
-                    own_ts = parse_timestamp(last.line, self.source.default_year, self.source.ref_epoch)
-                    self._pending_progress = (
-                        last,
-                        self._base + last.start,
-                        counter.line_at(last.start),
-                        own_ts,
-                    )
-                    break
-                if window >= consumed:
-                    break
-            return self.due_progress()
         if self.progress_stride <= 0:
             hits = self.matcher.progress(buf, 0, consumed, first_only=False)
         else:
@@ -513,6 +496,13 @@ class LineScanner:
         return [self._progress_event(buf, h, counter) for h in hits]
 
     def _final_progress(self) -> list[Event]:
+        events = self._newest_progress()
+        for ev in events:
+            ev.fields["last"] = True
+        return events
+
+    def _newest_progress(self) -> list[Event]:
+        """The last step line in the processed tail, unless it was already sent."""
         tail = self._tail
         if not tail:
             return []
@@ -527,22 +517,18 @@ class LineScanner:
         if offset == self._last_progress_offset:
             return []
         line_no = self._line_no - tail.count(b"\n", last.start)
-        ev = self._make_progress(last, offset, line_no, tail)
-        ev.fields["last"] = True
-        return [ev]
+        return [self._make_progress(last, offset, line_no, tail)]
 
     def _progress_event(self, buf: bytes, hit: Hit, counter: _LineCounter) -> Event:
         return self._make_progress(hit, self._base + hit.start, counter.line_at(hit.start), buf)
 
-    def _make_progress(
-        self, hit: Hit, offset: int, line_no: int, buf: bytes, given: tuple[float | None, str] | None = None
-    ) -> Event:
+    def _make_progress(self, hit: Hit, offset: int, line_no: int, buf: bytes) -> Event:
         src = self.source
         self._last_progress_offset = offset
         self.stats.progress += 1
         prefix_rank, prefix_local = line_rank(hit.line)
         rank = _pick_rank(hit.line, prefix_rank, src.rank)
-        ts, ts_source = given if given is not None else self._timestamp(buf, hit.start, hit.line)
+        ts, ts_source = self._timestamp(buf, hit.start, hit.line)
         return Event(
             id=event_id(src.agent, src.identity, offset, "progress"),
             kind="progress",

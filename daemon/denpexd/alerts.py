@@ -1,5 +1,7 @@
 """Alerts: one per incident (never per rank, never for collateral alone), to Alertmanager's v2
-API and to MQTT `denpex/v1/alerts/<job>`, resolved (endsAt) when the job closes.
+API and to MQTT `denpex/v1/alerts/<job>`, resolved (endsAt) when the job closes. When later
+evidence moves the initiator, the incident's alert is relabelled: the old labelset is resolved
+and the new one fires, so at any moment one alert per incident is firing.
 
 The incident is recorded in the store before it is sent, so a restarted daemon does not fire it
 again; it keeps re-sending firing alerts every `repeat_s` so Alertmanager does not time them out.
@@ -8,6 +10,7 @@ again; it keeps re-sending firing alerts every `repeat_s` so Alertmanager does n
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -27,6 +30,7 @@ log = logging.getLogger(__name__)
 
 INCIDENT = "failure"  # one failure chain per job: the engine's initiator names it
 QUEUE_MAX = 1024
+HANG_HOLD_S = 3.0
 
 
 class AlertSink(Protocol):
@@ -155,11 +159,16 @@ class Alerter:
         *,
         generator: str,
         repeat_s: float = 60.0,
+        hang_hold_s: float = HANG_HOLD_S,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.store, self.metrics, self.sinks = store, metrics, sinks
         self.generator, self.repeat_s, self._clock = generator, repeat_s, clock
         self.active: dict[str, Incident] = {}
+        self.hang_hold_s = hang_hold_s
+        self._failing_since: dict[str, float] = {}
+        self._held: dict[str, dict[str, Any]] = {}
+        self._timers: dict[str, asyncio.Task[None]] = {}
         self._queue: asyncio.Queue[list[dict[str, Any]]] = asyncio.Queue(QUEUE_MAX)
 
     def restore(self, job: str, incidents: list[tuple[str, float, float | None, dict[str, Any]]]) -> None:
@@ -171,12 +180,39 @@ class Alerter:
         now = self._clock()
         inc = self.active.get(job)
         if inc is not None:
+            if doc.get("verdict") == "failed" and doc.get("initiator"):
+                moved = build_alert(job, doc, inc.fired_at, self.generator)
+                if moved["labels"] != inc.alert["labels"]:
+                    # Later evidence moved the initiator (e.g. torchrun reported the SIGKILLed
+                    # rank after the peers' timeouts): still one incident, so the old labelset
+                    # is resolved and the new one fires.
+                    old = {**inc.alert, "endsAt": format_iso(now)}
+                    inc.alert, inc.last_sent = moved, now
+                    await self.store.relabel_incident(job, inc.key, moved)
+                    log.info("incident relabelled job=%s node=%s rank=%s rule=%s", job, moved["labels"]["node"],
+                             moved["labels"]["rank"], moved["labels"]["rule"])  # fmt: skip
+                    self._enqueue([old])
+                    self._enqueue([moved])
+                    return
             if now - inc.last_sent >= self.repeat_s:
                 inc.last_sent = now
                 self._enqueue([inc.alert])
             return
         if doc.get("verdict") != "failed" or not doc.get("initiator"):
             return  # collateral alone (no initiator) never alerts
+        first = self._failing_since.setdefault(job, now)
+        if doc["initiator"].get("kind") == "hang" and now - first < self.hang_hold_s:
+            # Only timeouts so far: the suspect is inferred from silence. A launcher's report of
+            # a killed worker usually follows within seconds; wait for it (bounded) rather than
+            # fire at a guess. Newer diagnoses replace the held one; the timer fires the latest.
+            self._held[job] = doc
+            if job not in self._timers:
+                delay = first + self.hang_hold_s - now
+                task = asyncio.create_task(self._fire_held(job, delay), name=f"alert-hold-{job}")
+                self._timers[job] = task
+                task.add_done_callback(functools.partial(self._forget_timer, job))
+            return
+        self._held.pop(job, None)
         alert = build_alert(job, doc, now, self.generator)
         self.active[job] = Incident(INCIDENT, alert, now, now)
         await self.store.record_incident(job, INCIDENT, now, alert)
@@ -184,7 +220,21 @@ class Alerter:
                  alert["labels"]["rank"], alert["labels"]["rule"])  # fmt: skip
         self._enqueue([alert])
 
+    def _forget_timer(self, job: str, _task: asyncio.Task[None]) -> None:
+        self._timers.pop(job, None)
+
+    async def _fire_held(self, job: str, delay: float) -> None:
+        await asyncio.sleep(max(delay, 0.0) + 0.01)
+        doc = self._held.pop(job, None)
+        if doc is not None and job not in self.active:
+            await self.on_diagnosis(job, doc)
+
     async def on_close(self, job: str) -> None:
+        self._failing_since.pop(job, None)
+        self._held.pop(job, None)
+        timer = self._timers.pop(job, None)
+        if timer is not None:
+            timer.cancel()
         inc = self.active.pop(job, None)
         if inc is None:
             return

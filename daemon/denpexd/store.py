@@ -166,6 +166,14 @@ class Store:
             (job, incident, fired_at, orjson.dumps(alert)),
         )
 
+    async def relabel_incident(self, job: str, incident: str, alert: dict[str, Any]) -> None:
+        """Later evidence moved the initiator: the incident keeps its start, the alert changes."""
+        await self._run(
+            self._exec,
+            "UPDATE incidents SET alert = ? WHERE job = ? AND incident = ? AND resolved_at IS NULL",
+            (orjson.dumps(alert), job, incident),
+        )
+
     async def resolve_incident(self, job: str, incident: str, at: float) -> None:
         await self._run(
             self._exec,

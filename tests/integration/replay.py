@@ -128,7 +128,12 @@ class AlertReceiver:
     port: int = 0
 
     def firing(self, job: str) -> list[dict[str, Any]]:
-        return [a for a in self.alerts if a["labels"]["job"] == job and "endsAt" not in a]
+        """Alerts of ``job`` firing now: the latest message per labelset, without endsAt."""
+        latest: dict[str, dict[str, Any]] = {}
+        for a in self.alerts:
+            if a["labels"]["job"] == job:
+                latest[json.dumps(a["labels"], sort_keys=True)] = a
+        return [a for a in latest.values() if "endsAt" not in a]
 
     @contextlib.asynccontextmanager
     async def serve(self) -> AsyncIterator[AlertReceiver]:

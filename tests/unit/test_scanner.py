@@ -130,6 +130,18 @@ def test_progress_every_line_or_sampled(unit_matcher: Matcher) -> None:
     assert steps[-1] == 199 and sampled[-1].fields.get("last") is True  # the file's last step is always kept
 
 
+def test_truncated_line_carries_a_marker(unit_matcher: Matcher) -> None:
+    sc = LineScanner(unit_matcher, _source(), max_line_bytes=4096)
+    events = sc.feed(b"torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 1 GiB " + b"x" * 10000)
+    events += sc.feed(b"y" * 10000 + b"\nnext\n") + sc.finish()
+    (oom,) = [e for e in events if e.rule == "cuda-oom"]
+    assert oom.text.endswith("[denpex: line truncated]")
+    assert sc.offset == 20000 + len(
+        "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 1 GiB "
+    ) + len("\nnext\n")
+    assert sc.line_no == 3
+
+
 def test_huge_line_is_truncated_counted_and_the_file_goes_on(unit_matcher: Matcher) -> None:
     data = b"x" * (3 << 20) + b" Killed\nKilled\n2026-11-29 12:00:00,000 INFO [rank0] step 5 | loss 1.0\n"
     sc = LineScanner(unit_matcher, _source(), max_line_bytes=1 << 20)
@@ -139,6 +151,7 @@ def test_huge_line_is_truncated_counted_and_the_file_goes_on(unit_matcher: Match
     out += sc.finish()
     assert sc.stats.truncated_lines == 1
     assert sc.stats.warnings and "longer than" in sc.stats.warnings[0]
+    assert not any(e.rule == "killed-line" and e.line_no == 1 for e in out)  # "...x Killed" is no bare Killed
     killed = [e for e in out if e.rule == "killed-line"]
     assert len(killed) == 1 and killed[0].line_no == 2 and killed[0].offset == (3 << 20) + 8
     assert [e.fields["step"] for e in out if e.kind == "progress"] == [5]
