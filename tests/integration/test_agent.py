@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -91,6 +92,8 @@ async def test_resumes_after_kill_9_without_loss_and_with_stable_ids(tmp_path: P
                     await eventually(lambda: len(got.events("match")) >= 50)
                     proc.kill()  # SIGKILL: no flush, no goodbye
                     proc.wait()
+                    # the broker publishes the agent's last will
+                    await eventually(lambda: ("n1", "n1", "offline") in got.statuses, within=10)
                     proc = start_agent(cmd, tmp_path / "agent.log")
         await eventually(lambda: {_marker(e.text) for e in got.events("match")} >= set(range(200)), within=20)
         stop(proc)
@@ -310,3 +313,57 @@ def test_sigterm_exits_within_the_shutdown_bound(tmp_path: Path) -> None:
     state = orjson.loads((tmp_path / "state" / "checkpoints.json").read_bytes())
     (pos,) = state["files"].values()
     assert pos["offset"] == (logs / "rank0.log").stat().st_size
+
+
+@pytest.mark.asyncio
+async def test_sighup_reloads_rules_and_a_bad_library_keeps_the_old_one(tmp_path: Path) -> None:
+    from denpex_agent.rules import default_rules_dir
+
+    rules = tmp_path / "rules"
+    shutil.copytree(default_rules_dir(), rules)
+    job = unique_job()
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    f = logs / "rank0.log"
+    f.write_text("")
+    cmd = agent_cmd(job, "n1", [str(logs / "*.log")], tmp_path / "state", "--rules", str(rules))
+    async with collector(job) as got:
+        proc = start_agent(cmd, tmp_path / "agent.log")
+        try:
+            await eventually(lambda: ("n1", "n1", "online") in got.statuses)
+            with f.open("a") as fh:
+                fh.write("site-specific: ECC page retirement storm on gpu 3 (first)\n")
+            await asyncio.sleep(1.0)
+            assert not got.events("match")
+            (rules / "site.toml").write_text(SITE_RULE)
+            proc.send_signal(signal.SIGHUP)
+            await eventually(lambda: "rules reloaded" in (tmp_path / "agent.log").read_text())
+            with f.open("a") as fh:
+                fh.write("site-specific: ECC page retirement storm on gpu 3 (second)\n")
+            await eventually(lambda: any(e.rule == "site-ecc-storm" for e in got.events("match")))
+            (rules / "broken.toml").write_text("schema = 1\n[[rule]]\nid = 'x'\n")
+            proc.send_signal(signal.SIGHUP)
+            await eventually(lambda: "rule reload failed" in (tmp_path / "agent.log").read_text())
+            with f.open("a") as fh:
+                fh.write("site-specific: ECC page retirement storm on gpu 3 (third)\n")
+            await eventually(lambda: sum(e.rule == "site-ecc-storm" for e in got.events("match")) >= 2)
+            assert proc.poll() is None
+        finally:
+            assert stop(proc) == 0
+    texts = [e.text for e in got.events("match")]
+    assert not any("(first)" in t for t in texts)
+
+
+SITE_RULE = """schema = 1
+[[rule]]
+id = "site-ecc-storm"
+title = "Site-specific ECC page retirement storm"
+category = "hardware"
+severity = "critical"
+role = "root-cause"
+patterns = ['ECC page retirement storm on gpu (?P<rank>\\d+)']
+root_cause = "The GPU is retiring pages faster than the site threshold."
+fix = "Drain the node and open a hardware ticket."
+verify = "nvidia-smi -q -d PAGE_RETIREMENT shows no pending retirements after the swap."
+examples = ["site-specific: ECC page retirement storm on gpu 3"]
+"""
