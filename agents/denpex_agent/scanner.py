@@ -502,7 +502,22 @@ class LineScanner:
         return events
 
     def _newest_progress(self) -> list[Event]:
-        """The last step line in the processed tail, unless it was already sent."""
+        """The last step line in the processed tail, unless it was already sent. The newest
+        segment (the last read) is searched alone first: usually it holds the line, and the
+        whole tail need not be joined."""
+        if len(self._segments) > 1:
+            newest = self._segments[-1]
+            last = None
+            for window in (1024, 8192):
+                last = self.matcher.last_progress(newest, max(len(newest) - window, 0), len(newest))
+                if last is not None or window >= len(newest):
+                    break
+            if last is not None:
+                offset = self._base - len(newest) + last.start
+                if offset == self._last_progress_offset:
+                    return []
+                line_no = self._line_no - newest.count(b"\n", last.start)
+                return [self._make_progress(last, offset, line_no, newest)]
         tail = self._tail
         if not tail:
             return []
