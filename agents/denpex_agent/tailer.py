@@ -17,6 +17,7 @@ Files are keyed by identity (device, inode, hash of their first bytes), never by
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import logging
 import os
@@ -225,6 +226,9 @@ class Tailer:
             default_year=time.gmtime(self.clock()).tm_year,
             ref_epoch=self.clock(),
         )
+        return self._line_scanner(source, start, line_no)
+
+    def _line_scanner(self, source: Source, start: int = 0, line_no: int = 1) -> LineScanner:
         return LineScanner(
             self.matcher,
             source,
@@ -302,25 +306,7 @@ class Tailer:
         f.identity = file_identity(f.dev, f.ino, head)
         f.head_len = len(head)
         f.last_seen = (-1, -1)
-        src = f.scanner.source
-        f.scanner = LineScanner(
-            self.matcher,
-            Source(
-                src.job,
-                src.agent,
-                src.node,
-                src.rank,
-                src.local_rank,
-                src.file,
-                f.identity,
-                src.default_year,
-                src.ref_epoch,
-            ),
-            context_lines=self.context_lines,
-            progress_interval=self.progress_interval,
-            clock=self.clock,
-            max_line_bytes=self.max_line_bytes,
-        )
+        f.scanner = self._line_scanner(dataclasses.replace(f.scanner.source, identity=f.identity))
         f.pos = 0
         f.fh.seek(0)
         log.info("file truncated; reading it again from the start path=%s identity=%s", f.path, f.identity)
