@@ -367,3 +367,79 @@ fix = "Drain the node and open a hardware ticket."
 verify = "nvidia-smi -q -d PAGE_RETIREMENT shows no pending retirements after the swap."
 examples = ["site-specific: ECC page retirement storm on gpu 3"]
 """
+
+
+def _make_ca_and_certs(d: Path) -> dict[str, Path]:
+    """A throw-away CA, a server certificate for 127.0.0.1 and a client certificate."""
+
+    def run(*args: str) -> None:
+        subprocess.run(["openssl", *args], check=True, capture_output=True, cwd=d)
+
+    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=denpex-test-ca",
+        "-keyout", "ca.key", "-out", "ca.crt")  # fmt: skip
+    (d / "san.cnf").write_text("subjectAltName=IP:127.0.0.1\n")
+    for name, extra in (("server", ["-extfile", "san.cnf"]), ("client", [])):
+        run(
+            "req",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-subj",
+            f"/CN={name}",
+            "-keyout",
+            f"{name}.key",
+            "-out",
+            f"{name}.csr",
+        )
+        run("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
+            "-days", "2", "-out", f"{name}.crt", *extra)  # fmt: skip
+    return {n: d / n for n in ("ca.crt", "server.crt", "server.key", "client.crt", "client.key")}
+
+
+@pytest.mark.asyncio
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl not installed")
+async def test_mqtts_with_password_and_client_certificate(tmp_path: Path) -> None:
+    certs = await asyncio.to_thread(_make_ca_and_certs, tmp_path)
+    pwfile = tmp_path / "passwd"
+    pwfile.write_text("")
+    await asyncio.to_thread(
+        subprocess.run, ["mosquitto_passwd", "-b", str(pwfile), "agent-n1", "s3cret"], check=True
+    )
+    plain, tls = free_port(), free_port()
+    conf = tmp_path / "mosquitto.conf"
+    conf.write_text(
+        ("user root\n" if os.geteuid() == 0 else "")
+        + f"per_listener_settings true\nlistener {plain} 127.0.0.1\nallow_anonymous true\n"
+        f"listener {tls} 127.0.0.1\nallow_anonymous false\npassword_file {pwfile}\n"
+        f"cafile {certs['ca.crt']}\ncertfile {certs['server.crt']}\nkeyfile {certs['server.key']}\n"
+        "require_certificate true\n"
+    )
+    broker = subprocess.Popen(
+        ["mosquitto", "-c", str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    try:
+        await eventually(lambda: broker_up(tls) and broker_up(plain), within=10)
+        job = unique_job()
+        logs = tmp_path / "logs"
+        logs.mkdir()
+        (logs / "rank0.log").write_text(OOM + "\n")
+        base = agent_cmd(job, "n1", [str(logs / "*.log")], tmp_path / "state")
+        i = base.index("--broker")
+        good = [*base[: i + 1], f"mqtts://agent-n1:s3cret@127.0.0.1:{tls}", *base[i + 2 :]]
+        good += ["--ca-file", str(certs["ca.crt"]), "--cert-file", str(certs["client.crt"]),
+                 "--key-file", str(certs["client.key"])]  # fmt: skip
+        async with collector(job, plain) as got:
+            proc = start_agent(good, tmp_path / "agent.log")
+            try:
+                await eventually(lambda: any(e.rule == "cuda-oom" for e in got.events("match")))
+            finally:
+                assert stop(proc) == 0
+            bad = [a.replace("s3cret", "wrong") for a in good]
+            proc = start_agent(bad, tmp_path / "agent-bad.log")
+            await asyncio.sleep(3.0)
+            stop(proc)
+        assert "connected to broker" in (tmp_path / "agent.log").read_text()
+        assert "connected to broker" not in (tmp_path / "agent-bad.log").read_text()
+    finally:
+        broker.terminate()
+        broker.wait(10)
