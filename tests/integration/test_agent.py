@@ -396,6 +396,12 @@ def _make_ca_and_certs(d: Path) -> dict[str, Path]:
     return {n: d / n for n in ("ca.crt", "server.crt", "server.key", "client.crt", "client.key")}
 
 
+def _start_mosquitto(conf: Path) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        ["mosquitto", "-c", str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+
+
 @pytest.mark.asyncio
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl not installed")
 async def test_mqtts_with_password_and_client_certificate(tmp_path: Path) -> None:
@@ -414,9 +420,7 @@ async def test_mqtts_with_password_and_client_certificate(tmp_path: Path) -> Non
         f"cafile {certs['ca.crt']}\ncertfile {certs['server.crt']}\nkeyfile {certs['server.key']}\n"
         "require_certificate true\n"
     )
-    broker = subprocess.Popen(
-        ["mosquitto", "-c", str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
+    broker = _start_mosquitto(conf)
     try:
         await eventually(lambda: broker_up(tls) and broker_up(plain), within=10)
         job = unique_job()
