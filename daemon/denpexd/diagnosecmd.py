@@ -29,6 +29,7 @@ def diagnose_paths(
     layout: str | None = None,
     context_lines: int = 100,
     progress: TextIO | None = None,
+    progress_min_bytes: int = PROGRESS_MIN_BYTES,
 ) -> dict[str, Any]:
     """Read, match and correlate; return the DESIGN §7 diagnosis (plus `read` statistics)."""
     rules = rules if rules is not None else load_rules()
@@ -39,7 +40,7 @@ def diagnose_paths(
     engine = Engine(job_id, rules)
     matcher = Matcher(rules)
     total = sum(f.size for f in files)
-    bar = _Bar(progress, total) if progress is not None and total >= PROGRESS_MIN_BYTES else None
+    bar = _Bar(progress, total) if progress is not None and total >= progress_min_bytes else None
     for ev in read_files(
         files, matcher, job_id, report, context_lines=context_lines, on_bytes=bar.advance if bar else None
     ):
@@ -69,7 +70,7 @@ class _Bar:
     def advance(self, n: int) -> None:
         self.done += n
         now = time.monotonic()
-        if now - self._last < 0.1:
+        if now - self._last < 0.1 and self.done < self.total:
             return
         self._last = now
         frac = self.done / self.total if self.total else 1.0
@@ -105,6 +106,7 @@ def run(args: argparse.Namespace) -> int:
             layout=args.layout,
             context_lines=args.context_lines,
             progress=sys.stderr if show_bar else None,
+            progress_min_bytes=0 if args.progress == "always" else PROGRESS_MIN_BYTES,
         )
     except LayoutError as exc:
         print(f"denpexd diagnose: {exc}", file=sys.stderr)

@@ -146,3 +146,13 @@ def test_bundled_example_is_diagnosed(example: str) -> None:
     p = denpexd("diagnose", example)
     assert p.returncode == 0, p.stderr
     assert "FIRST FAILURE" in p.stdout
+
+
+def test_progress_bar_on_request_and_never_in_the_output() -> None:
+    job = _any_failed_case()
+    p = denpexd("diagnose", str(job), "--format", "json", "--progress", "always")
+    assert p.returncode == 0
+    assert "reading [" in p.stderr and "MB/s" in p.stderr
+    json.loads(p.stdout)  # stdout stays clean JSON
+    p = denpexd("diagnose", str(job), "--progress", "auto")  # stderr is a pipe here: no bar
+    assert "reading [" not in p.stderr
