@@ -1,4 +1,9 @@
-"""Load generator for `denpexd serve`: 512 nodes x 8 ranks through the real Mosquitto.
+"""Load generator for `denpexd serve`: 512 nodes x 8 ranks through a real Mosquitto.
+
+The benchmark starts its own Mosquitto on a free loopback port with a generated configuration
+(`mosquitto_conf()`: in-flight window and queue sized for thousands of agents, persistence off)
+so that the broker's defaults (20 messages in flight, 1,000 queued) are not what is measured;
+`--broker mqtt://HOST:PORT` uses an existing broker instead.
 
 Phase 1 (throughput): every rank publishes progress events for STEPS steps as fast as the
 publishers can, batched per node as agents do; the daemon's CPU seconds come from
@@ -9,6 +14,7 @@ Latency = from publishing the initiating line to receiving (a) the retained diag
 that rank and (b) the MQTT alert. Prints a JSON summary.
 
     python bench/bench_serve.py [--nodes 512] [--ranks-per-node 8] [--steps 60] [--trials 10]
+        [--broker mqtt://127.0.0.1:1883] [--mosquitto PATH] [--profile OUT.pstats]
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import asyncio
 import contextlib
 import os
 import re
+import shutil
 import signal
 import socket
 import statistics
@@ -35,8 +42,48 @@ import orjson
 from denpex_agent import wire
 from denpex_agent.events import Event
 
-BROKER = ("127.0.0.1", 1883)
 PUBLISHERS = 16
+
+
+def mosquitto_conf(port: int) -> str:
+    """The private broker's configuration (see bench/README.md for what each setting is for)."""
+    return "\n".join(
+        (
+            f"listener {port} 127.0.0.1",
+            "allow_anonymous true",
+            "persistence false",
+            # QoS 1 messages in flight per client (the daemon's own Receive Maximum caps it too)
+            "max_inflight_messages 1000",
+            # messages queued per client beyond the in-flight window before Mosquitto drops QoS 1
+            "max_queued_messages 1000000",
+            "max_queued_bytes 0",
+            "set_tcp_nodelay true",
+            "log_type error",
+            "log_type warning",
+            "",
+        )
+    )
+
+
+@contextlib.asynccontextmanager
+async def private_broker(binary: str) -> Any:
+    port = _free_port()
+    with tempfile.TemporaryDirectory(prefix="denpex-bench-mosq-") as tmp:
+        conf = Path(tmp) / "mosquitto.conf"
+        conf.write_text(mosquitto_conf(port))
+        proc = await asyncio.create_subprocess_exec(binary, "-c", str(conf))
+        try:
+            for _ in range(100):
+                with contextlib.suppress(OSError):
+                    socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+                    break
+                await asyncio.sleep(0.05)
+            else:
+                raise RuntimeError(f"mosquitto did not start on 127.0.0.1:{port}")
+            yield ("127.0.0.1", port)
+        finally:
+            proc.terminate()
+            await proc.wait()
 
 
 def _free_port() -> int:
@@ -109,12 +156,23 @@ class Fleet:
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
+    if args.broker:
+        host, _, port = args.broker.removeprefix("mqtt://").rpartition(":")
+        return await run_with(args, (host, int(port)))
+    binary = shutil.which(args.mosquitto) or args.mosquitto
+    async with private_broker(binary) as broker:
+        return await run_with(args, broker)
+
+
+async def run_with(args: argparse.Namespace, broker: tuple[str, int]) -> dict[str, Any]:
     http = _free_port()
     data = tempfile.mkdtemp(prefix="denpex-bench-")
     client_id = f"denpexd-bench-{uuid.uuid4().hex[:8]}"
     url = f"http://127.0.0.1:{http}"
+    prof = ("-m", "cProfile", "-o", args.profile) if args.profile else ()
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "denpexd", "serve", "--broker", "mqtt://127.0.0.1:1883", "--client-id", client_id,
+        sys.executable, *prof, "-m", "denpexd", "serve", "--broker", f"mqtt://{broker[0]}:{broker[1]}",
+        "--client-id", client_id,
         "--http-listen", f"127.0.0.1:{http}", "--data-dir", data, "--log-level", "warning",
     )  # fmt: skip
     for _ in range(200):
@@ -123,13 +181,15 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 break
         await asyncio.sleep(0.1)
     fleet = Fleet(args.nodes, args.ranks_per_node)
-    out: dict[str, Any] = {"nodes": args.nodes, "ranks": args.nodes * args.ranks_per_node}
+    out: dict[str, Any] = {
+        "nodes": args.nodes, "ranks": args.nodes * args.ranks_per_node, "broker": f"{broker[0]}:{broker[1]}",
+    }  # fmt: skip
     try:
         async with contextlib.AsyncExitStack() as stack:
             for i in range(PUBLISHERS):
                 fleet.clients.append(
                     await stack.enter_async_context(
-                        aiomqtt.Client(*BROKER, identifier=f"bench-pub-{i}-{client_id}")
+                        aiomqtt.Client(*broker, identifier=f"bench-pub-{i}-{client_id}")
                     )
                 )
             # Phase 1: sustained throughput
@@ -139,8 +199,14 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             sent = 0
             for chunk in range(0, args.steps, 5):
                 sent += await fleet.publish_steps(job, range(chunk, min(chunk + 5, args.steps)), 1.8e9)
-            while _metric(url, "denpex_ingest_events_total") - base < sent:  # noqa: ASYNC110 - another process
-                await asyncio.sleep(0.05)
+            got, stalled = 0.0, time.monotonic()
+            while got < sent:
+                await asyncio.sleep(0.25)  # a /metrics scrape costs the daemon CPU: not too often
+                now_got = _metric(url, "denpex_ingest_events_total") - base
+                if now_got > got:
+                    got, stalled = now_got, time.monotonic()
+                elif time.monotonic() - stalled > 30:
+                    raise RuntimeError(f"daemon stalled: {got:.0f} of {sent} events ingested")
             cpu, wall = _cpu_s(proc.pid) - cpu0, time.perf_counter() - w0
             out["throughput"] = {
                 "events": sent, "wall_s": round(wall, 2), "daemon_cpu_s": round(cpu, 2),
@@ -149,7 +215,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             out["rss_mb_after_throughput"] = round(_rss_mb(proc.pid))
             # Phase 2: failure cascades
             diag_lat, alert_lat = [], []
-            async with aiomqtt.Client(*BROKER, identifier=f"bench-sub-{client_id}") as sub:
+            async with aiomqtt.Client(*broker, identifier=f"bench-sub-{client_id}") as sub:
                 await sub.subscribe("denpex/v1/jobs/+/diagnosis", qos=1)
                 await sub.subscribe("denpex/v1/alerts/+", qos=1)
                 for trial in range(args.trials):
@@ -214,7 +280,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         proc.send_signal(signal.SIGTERM)
         await proc.wait()
         async with aiomqtt.Client(
-            *BROKER, identifier=client_id, protocol=aiomqtt.ProtocolVersion.V5, clean_start=True
+            *broker, identifier=client_id, protocol=aiomqtt.ProtocolVersion.V5, clean_start=True
         ):
             pass
     return out
@@ -226,6 +292,9 @@ def main() -> None:
     p.add_argument("--ranks-per-node", type=int, default=8)
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--trials", type=int, default=10)
+    p.add_argument("--broker", help="use this broker (mqtt://HOST:PORT) instead of a private Mosquitto")
+    p.add_argument("--mosquitto", default="mosquitto", help="Mosquitto binary for the private broker")
+    p.add_argument("--profile", help="run the daemon under cProfile and write its stats here")
     result = asyncio.run(run(p.parse_args()))
     print(orjson.dumps(result, option=orjson.OPT_INDENT_2).decode())
 

@@ -77,9 +77,15 @@ def align(
     nodes: Sequence[str],
     reference: str | None = None,
     agent_offsets: Mapping[str, tuple[float, float]] | None = None,
+    *,
+    precomputed: bool = False,
 ) -> dict[str, ClockEstimate]:
-    """Offsets for every node in ``nodes``; ``progress`` maps node → (step, local ts) samples."""
-    curves = {n: node_curve(progress.get(n, ())) for n in nodes}
+    """Offsets for every node in ``nodes``; ``progress`` maps node → (step, local ts) samples,
+    or, with ``precomputed``, node → its curve as `node_curve` makes it from those samples."""
+    if precomputed:
+        curves = {n: list(progress.get(n, ())) for n in nodes}
+    else:
+        curves = {n: node_curve(progress.get(n, ())) for n in nodes}
     agent_offsets = agent_offsets or {}
     with_progress = [n for n in nodes if len(curves[n]) >= MIN_COMMON]
     if reference is None or reference not in with_progress:

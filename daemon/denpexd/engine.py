@@ -9,15 +9,17 @@ fingerprint and the evidence from those aggregates. `denpexd diagnose` feeds it 
 
 from __future__ import annotations
 
+import functools
 import math
 import statistics
+from array import array
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from denpex_agent.events import Event
 from denpex_agent.rules import SEVERITIES, Rule, RuleSet
-from denpex_agent.timestamps import format_iso
+from denpex_agent.timestamps import format_iso as _format_iso
 from denpexd.clock import ClockEstimate, align
 
 ERROR = SEVERITIES.index("error")
@@ -33,6 +35,9 @@ KILLED_RULE = "torchrun-worker-sigkill"
 
 _STAGES = ("none", "info", "warn", "error")
 
+# Thousands of ranks share a handful of step and failure times: format each distinct time once.
+format_iso = functools.lru_cache(maxsize=65_536)(_format_iso)
+
 
 @dataclass(slots=True)
 class Aggregate:
@@ -44,17 +49,67 @@ class Aggregate:
     seq: int = 0  # arrival order of `first`, the tie-break when times are unknown
 
 
+class NodeProgress:
+    """One node's progress samples, pooled over its ranks: step -> local times (one per sample).
+
+    Clock alignment only needs the node's curve (the median time per step over its ranks), so
+    samples are kept per node, not per rank: memory grows with nodes and steps, bounded to
+    `MAX_SAMPLES` steps per node (beyond that every other step is dropped and only steps that are
+    multiples of the doubled stride are taken). The curve is cached until the node changes.
+    """
+
+    __slots__ = ("_curve", "by_step", "stride")
+
+    def __init__(self) -> None:
+        self.by_step: dict[int, array[float]] = {}
+        self.stride = 1
+        self._curve: list[tuple[int, float]] | None = None
+
+    def add(self, step: int, ts: float) -> None:
+        times = self.by_step.get(step)
+        if times is None:
+            if step % self.stride:
+                return
+            times = self.by_step[step] = array("d")
+            if len(self.by_step) > MAX_SAMPLES:
+                self._thin()
+                times = self.by_step.get(step)
+                if times is None:
+                    return
+        times.append(ts)
+        self._curve = None
+
+    def _thin(self) -> None:
+        self.stride *= 2
+        steps = sorted(self.by_step)
+        self.by_step = {s: self.by_step[s] for s in steps[::2]}
+
+    def samples(self) -> list[tuple[int, float]]:
+        return [(s, t) for s, times in self.by_step.items() for t in times]
+
+    def curve(self) -> list[tuple[int, float]]:
+        """The node's curve, as `clock.node_curve` computes it from `samples()`."""
+        if self._curve is None:
+            self._curve = [(s, statistics.median(self.by_step[s])) for s in sorted(self.by_step)]
+        return self._curve
+
+
 @dataclass(slots=True)
 class RankTrack:
+    """What hang detection, stragglers and the rank table need of one rank (no sample history)."""
+
     node: str
     rank: int | None
-    samples: list[tuple[int, float]] = field(default_factory=list)
-    stride: int = 1
-    seen: int = 0
+    progress: NodeProgress
     last_step: int | None = None
     last_step_ts: float | None = None
     last_progress: Event | None = None
-    data_times: list[float] = field(default_factory=list)
+    data_times: array[float] = field(default_factory=lambda: array("d"))
+
+    @property
+    def samples(self) -> list[tuple[int, float]]:
+        """The node curve this rank's samples feed (its own samples are not kept)."""
+        return self.progress.curve()
 
     def add(self, step: int, ts: float | None, ev: Event) -> None:
         if self.last_step is None or step >= self.last_step:
@@ -63,14 +118,14 @@ class RankTrack:
             self.last_progress.context = ev.context or self.last_progress.context
         if ts is None:
             return
-        self.seen += 1
-        if self.seen % self.stride == 0:
-            self.samples.append((step, ts))
-            if len(self.samples) >= MAX_SAMPLES:  # keep every other sample: bounded, still spread out
-                self.samples = self.samples[::2]
-                self.stride *= 2
+        self.progress.add(step, ts)
         dt = ev.fields.get("data_time")
-        if isinstance(dt, (int, float)) and math.isfinite(dt) and len(self.data_times) < MAX_DATA_TIMES:
+        if (
+            dt is not None
+            and isinstance(dt, (int, float))
+            and math.isfinite(dt)
+            and len(self.data_times) < MAX_DATA_TIMES
+        ):
             self.data_times.append(float(dt))
 
 
@@ -103,6 +158,7 @@ class Engine:
         self._now = now
         self.aggs: dict[tuple[str, int | None, str], Aggregate] = {}
         self.tracks: dict[tuple[str, int | None], RankTrack] = {}
+        self.progress: dict[str, NodeProgress] = {}  # node -> its ranks' pooled progress samples
         self.local_ranks: dict[tuple[str, int], int] = {}  # (node, local_rank) -> global rank
         self.agent_offsets: dict[str, tuple[float, float]] = {}
         self.events_seen = 0
@@ -148,7 +204,10 @@ class Engine:
     def _track(self, node: str, rank: int | None) -> RankTrack:
         t = self.tracks.get((node, rank))
         if t is None:
-            t = self.tracks[(node, rank)] = RankTrack(node=node, rank=rank)
+            p = self.progress.get(node)
+            if p is None:
+                p = self.progress[node] = NodeProgress()
+            t = self.tracks[(node, rank)] = RankTrack(node=node, rank=rank, progress=p)
         return t
 
     # -- analysis -------------------------------------------------------------------------------
@@ -157,13 +216,11 @@ class Engine:
         return sorted({n for n, _ in self.tracks} | {n for n, _, _ in self.aggs})
 
     def clocks(self) -> dict[str, ClockEstimate]:
-        progress: dict[str, list[tuple[int, float]]] = {}
-        for (node, _rank), t in self.tracks.items():
-            progress.setdefault(node, []).extend(t.samples)
+        curves = {node: p.curve() for node, p in self.progress.items()}
         ref = next(
             (n for (n, r) in sorted(self.tracks, key=lambda k: (k[1] is None, k[1] or 0)) if r == 0), None
         )
-        return align(progress, self.nodes(), reference=ref, agent_offsets=self.agent_offsets)
+        return align(curves, self.nodes(), reference=ref, agent_offsets=self.agent_offsets, precomputed=True)
 
     def _rule(self, rule_id: str) -> Rule | None:
         return self.rules.get(rule_id)

@@ -24,6 +24,7 @@ from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
 from denpex_agent import wire
+from denpexd import fastwire
 from denpexd.config import ServeConfig, split_listen
 from denpexd.errors import BrokerError
 from denpexd.metrics import Metrics, invalid_reason
@@ -33,6 +34,7 @@ log = logging.getLogger(__name__)
 Ack = Callable[[], None]
 RECEIVE_MAXIMUM = 1000
 RECONNECT_MAX_S = 10.0
+PUBLISH_DRAIN_S = 5.0  # waiting for the broker's PUBACKs of our own messages on disconnect
 # Acks are small packets sent one by one: without TCP_NODELAY, Nagle's algorithm meets the
 # broker's delayed ACK and each QoS 1 window stalls for tens of milliseconds.
 _SOCKET_OPTIONS = ((socket.IPPROTO_TCP, socket.TCP_NODELAY, 1),)
@@ -66,6 +68,7 @@ class Ingest:
         self._client: aiomqtt.Client | None = None
         self._generation = 0
         self._connected = asyncio.Event()
+        self._publishing: set[asyncio.Future[None]] = set()
         self.external = cfg.broker is not None
         self.address = cfg.broker or f"mqtt://{cfg.mqtt_listen}"
 
@@ -132,6 +135,8 @@ class Ingest:
         log.info("connected to MQTT broker address=%s client_id=%s", _safe(self.address), self.cfg.client_id)
 
     async def _disconnect(self) -> None:
+        if self._publishing:
+            await asyncio.wait(set(self._publishing), timeout=PUBLISH_DRAIN_S)
         client, self._client = self._client, None
         self._connected.clear()
         if client is not None:
@@ -180,7 +185,7 @@ class Ingest:
         try:
             kind, job, agent = wire.parse_topic(topic)
             if kind == "events":
-                batch = wire.decode_batch(payload, topic_job=job)
+                batch = fastwire.decode_batch(payload, topic_job=job)  # same outcome as wire's
             elif kind == "clock":
                 await self._clock_reply(payload, agent or "")
                 ack()
@@ -213,10 +218,25 @@ class Ingest:
         )
 
     async def publish(self, topic: str, payload: bytes, *, retain: bool = False, qos: int = 1) -> None:
+        """Queue a message for the broker without waiting for its PUBACK.
+
+        The PUBACK arrives on the same connection behind every delivery the broker already sent
+        us; waiting for it would hold a diagnosis or an alert back until that backlog is
+        consumed. Messages leave in the order of the calls; the confirmation is awaited in the
+        background (and on disconnect, within `PUBLISH_DRAIN_S`).
+        """
         client = self._client
         if client is None:
             log.warning("publish skipped: not connected topic=%s", topic)
             return
+        task = asyncio.ensure_future(self._publish(client, topic, payload, retain, qos))
+        self._publishing.add(task)
+        task.add_done_callback(self._publishing.discard)
+        await asyncio.sleep(0)  # let the task hand the message to the client now, in call order
+
+    async def _publish(
+        self, client: aiomqtt.Client, topic: str, payload: bytes, retain: bool, qos: int
+    ) -> None:
         try:
             await client.publish(topic, payload, qos=qos, retain=retain)
         except aiomqtt.MqttError as exc:

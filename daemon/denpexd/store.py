@@ -53,7 +53,9 @@ def event_row(ev: Event, received: float) -> EventRow:
         ev.kind,
         ev.ts,
         received,
-        orjson.dumps(event_to_wire(ev)),
+        # orjson's result keeps its whole output buffer (KiBs for a 400-byte event): keep a copy of
+        # the exact size, since thousands of rows wait in the writer's buffer for their commit
+        bytes(memoryview(orjson.dumps(event_to_wire(ev)))),
     )
 
 
