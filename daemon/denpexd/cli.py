@@ -100,6 +100,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--client-id", metavar="ID", help="MQTT client id of the persistent session (default denpexd)"
     )
+    s.add_argument(
+        "--shared-group",
+        metavar="NAME",
+        help="run as one of several replicas: subscribe as $share/NAME/... on an external broker "
+        "(EMQX's hash_topic strategy keeps each job on one replica)",
+    )
     s.add_argument("--job-idle-close", metavar="SECONDS", type=float, dest="job_idle_close_s",
                    help="close a job after this long without events (default 900)")  # fmt: skip
     s.add_argument("--max-open-jobs", metavar="N", type=int, help="open jobs kept in memory (default 10000)")

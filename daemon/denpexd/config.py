@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ class ServeConfig:
     data_dir: str = "denpex-data"
     rules: str | None = None  # rule library folder; None = the bundled one
     client_id: str = "denpexd"
+    shared_group: str | None = None  # replicas: subscribe as $share/<group>/... (external broker)
     session_expiry_s: int = 86_400
     job_idle_close_s: float = 900.0
     max_open_jobs: int = 10_000
@@ -101,6 +103,11 @@ def _validate(cfg: ServeConfig) -> ServeConfig:
         u = urlsplit(cfg.broker)
         if u.scheme not in ("mqtt", "mqtts") or not u.hostname:
             raise ConfigError("broker", f"expected mqtt[s]://[user:pass@]host[:port], got {cfg.broker!r}")
+    if cfg.shared_group is not None:
+        if not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", cfg.shared_group):
+            raise ConfigError("shared_group", "use 1-64 of A-Z a-z 0-9 _ -")
+        if cfg.broker is None:
+            raise ConfigError("shared_group", "needs --broker: replicas share an external broker")
     if cfg.alertmanager is not None and urlsplit(cfg.alertmanager).scheme not in ("http", "https"):
         raise ConfigError("alertmanager", f"expected an http(s) URL, got {cfg.alertmanager!r}")
     for key in ("max_open_jobs", "job_queue_batches", "dedup_ids_per_job", "session_expiry_s"):

@@ -124,7 +124,7 @@ class Ingest:
         client = self._new_client()
         await client.__aenter__()
         try:
-            for topic in wire.SUBSCRIPTIONS:
+            for topic in subscriptions(self.cfg.shared_group):
                 await client.subscribe(topic, qos=1)
         except aiomqtt.MqttError:
             await client.__aexit__(None, None, None)
@@ -259,3 +259,11 @@ def _sender(payload: bytes) -> str:
 def _safe(url: str) -> str:
     u = urlsplit(url)
     return url.replace(f":{u.password}@", ":***@") if u.password else url
+
+
+def subscriptions(shared_group: str | None) -> list[str]:
+    """The filters to subscribe to; with a group, as a shared subscription (several replicas:
+    each message reaches one of them; EMQX's hash_topic strategy keeps a job on one replica)."""
+    if not shared_group:
+        return list(wire.SUBSCRIPTIONS)
+    return [f"$share/{shared_group}/{t}" for t in wire.SUBSCRIPTIONS]

@@ -281,9 +281,13 @@ class JobTable:
                 arrived = state.arrivals.get((ini["node"], ini["rank"], ini["rule"]))
                 if arrived is not None:
                     m.warning_to_diagnosis.observe(self._mono() - arrived)
-        stage = doc["fingerprints"]["nan"]["stage"]
+        nan = doc["fingerprints"]["nan"]
+        per_rank = list(nan.get("per_rank", {}).values())
         for s in ("none", "info", "warn", "error"):
-            m.nan_stage.labels(job, s).set(1 if s == stage else 0)
+            m.nan_stage.labels(job, s).set(1 if s == nan["stage"] else 0)
+            m.nan_ranks.labels(job, s).set(per_rank.count(s))
+        if nan.get("first_rank") is not None:
+            m.nan_first_rank.labels(job).set(nan["first_rank"])
         delta = doc.get("suppressed", 0) - state.suppressed
         if delta > 0:
             m.collateral_suppressed.labels(job).inc(delta)

@@ -109,6 +109,16 @@ class Metrics:
             "denpex_nan_fingerprint_stage", "1 for the job's current NaN fingerprint stage", ["job", "stage"],
             registry=r,
         )  # fmt: skip
+        self.nan_ranks = Gauge(
+            "denpex_nan_fingerprint_ranks", "Ranks of the job at each NaN fingerprint stage", ["job", "stage"],
+            registry=r,
+        )  # fmt: skip
+        self.nan_first_rank = Gauge(
+            "denpex_nan_fingerprint_first_rank",
+            "The rank that left the info stage first (its number); absent until one did",
+            ["job"],
+            registry=r,
+        )
         self.nan_events = Counter(
             "denpex_nan_fingerprint_events", "NaN-fingerprint events by stage", ["job", "stage"], registry=r
         )
@@ -153,7 +163,9 @@ class Metrics:
             _remove(self.job_failed, job, *failed)
         for stage in STAGES:
             _remove(self.nan_stage, job, stage)
+            _remove(self.nan_ranks, job, stage)
             _remove(self.nan_events, job, stage)
+        _remove(self.nan_first_rank, job)
         _remove(self.collateral_suppressed, job)
         for node in labels.get("nodes", ()):
             _remove(self.clock_offset, node)
