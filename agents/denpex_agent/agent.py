@@ -108,6 +108,7 @@ class Agent:
         self._pending_clock: dict[float, float] = {}
         self._reported: dict[str, int] = {}
         self._last_heartbeat = 0.0
+        self._metrics_at = 0.0
         self._small_reads = False
         self.published_events = 0
 
@@ -188,7 +189,9 @@ class Agent:
                 if events or marks:
                     self._enqueue(_Item(events, marks, sum(map(_event_size, events)), read_at))
                 self._heartbeats(read_at)
-                self._update_metrics()
+                if read_at - self._metrics_at >= 1.0:
+                    self._metrics_at = read_at
+                    self._update_metrics()
                 if not more:
                     await asyncio.sleep(cfg.poll_interval)
         finally:

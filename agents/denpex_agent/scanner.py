@@ -458,24 +458,15 @@ class LineScanner:
         return None
 
     def _context(self, buf: bytes, pos: int) -> list[str]:
+        """The lines before ``pos`` (a line start), from the buffer and then the tail."""
         want = self.context_lines
         if want <= 0:
             return []
-        out: list[str] = []
-        end = pos - 1  # the newline ending the previous line
-        src = buf
-        used_tail = False
-        while len(out) < want:
-            if end < 0:
-                if used_tail or not self._tail:
-                    break
-                src, end, used_tail = self._tail, len(self._tail) - 1, True
-                continue
-            start = src.rfind(b"\n", 0, end) + 1
-            out.append(src[start : min(end, start + MAX_CONTEXT_LINE)].decode("utf-8", "replace"))
-            end = start - 1
-        out.reverse()
-        return mask_lines(out)
+        lines = _last_lines(buf, pos, want)
+        if len(lines) < want and self._tail:
+            tail = self._tail
+            lines = _last_lines(tail, len(tail), want - len(lines)) + lines
+        return mask_lines(lines)
 
     # -- progress -----------------------------------------------------------------------------
 
@@ -582,6 +573,26 @@ class _LineCounter:
             self._count -= self._buf.count(b"\n", pos, self._pos)
         self._pos = pos
         return self._count
+
+
+def _last_lines(data: bytes, end: int, count: int) -> list[str]:
+    """Up to ``count`` whole lines ending just before ``end`` (``data[end - 1]`` is a newline),
+    decoded in one go and cut to MAX_CONTEXT_LINE characters each."""
+    if end <= 0 or count <= 0:
+        return []
+    cur = end - 1
+    first = 0
+    found = 0
+    while found < count:
+        prev = data.rfind(b"\n", 0, cur)
+        found += 1
+        if prev < 0:
+            first = 0
+            break
+        first = prev + 1
+        cur = prev
+    lines = data[first : end - 1].decode("utf-8", "replace").split("\n")
+    return [line[:MAX_CONTEXT_LINE] for line in lines]
 
 
 def _pick_rank(line: str, from_line: int | None, from_file: int | None) -> int | None:

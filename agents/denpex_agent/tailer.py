@@ -64,6 +64,7 @@ class Followed:
     last_growth: float = 0.0
     last_heartbeat: float = 0.0
     last_seen: tuple[int, int] = (-1, -1)
+    head: bytes | None = None  # the first head_len bytes, once known to match the identity
 
 
 @dataclass(slots=True)
@@ -184,8 +185,10 @@ class Tailer:
                     start, line_no, identity = pos.offset, pos.line_no, ident
                 break
         head = read_head(HEAD_BYTES)
+        known_head: bytes | None = None
         if identity is None:
             identity = file_identity(st.st_dev, st.st_ino, head)
+            known_head = head
         scanner = self._scanner(path, pattern, identity, head, start, line_no)
         if start > 0:
             before = os.pread(fh.fileno(), min(start, TAIL_BYTES), start - min(start, TAIL_BYTES))
@@ -194,7 +197,16 @@ class Tailer:
         now = self.clock()
         self.files.append(
             Followed(
-                path, fh, st.st_dev, st.st_ino, identity, _head_len(identity), scanner, start, last_growth=now
+                path,
+                fh,
+                st.st_dev,
+                st.st_ino,
+                identity,
+                _head_len(identity),
+                scanner,
+                start,
+                last_growth=now,
+                head=known_head,
             )
         )
         self.stats.files_opened += 1
@@ -298,13 +310,19 @@ class Tailer:
         if seen == f.last_seen or not f.head_len or st.st_size < f.head_len:
             return False
         f.last_seen = seen
-        return not identity_matches(f.identity, f.dev, f.ino, lambda n: os.pread(f.fh.fileno(), n, 0))
+        if f.head is None:  # resumed from a checkpoint: compare with the identity's hash once
+            if not identity_matches(f.identity, f.dev, f.ino, lambda n: os.pread(f.fh.fileno(), n, 0)):
+                return True
+            f.head = os.pread(f.fh.fileno(), f.head_len, 0)
+            return False
+        return os.pread(f.fh.fileno(), f.head_len, 0) != f.head
 
     def _restart(self, f: Followed) -> None:
         self.stats.truncations += 1
         head = os.pread(f.fh.fileno(), HEAD_BYTES, 0)
         f.identity = file_identity(f.dev, f.ino, head)
         f.head_len = len(head)
+        f.head = head
         f.last_seen = (-1, -1)
         f.scanner = self._line_scanner(dataclasses.replace(f.scanner.source, identity=f.identity))
         f.pos = 0

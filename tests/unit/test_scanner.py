@@ -222,3 +222,13 @@ def test_pattern_database_cache_round_trip_and_damage(
     for f in cached_files:
         f.write_bytes(b"\x00\x00\x00\x05garbage")
     assert [(h.rule.id, h.start) for h in Matcher(unit_rules).scan(data)] == fresh
+
+
+def test_context_is_the_lines_right_before_the_event(unit_matcher: Matcher) -> None:
+    lines = [f"2026-11-29 12:00:00,000 INFO [rank0] line {i}" for i in range(300)]
+    data = ("\n".join(lines) + "\nKilled\n").encode()
+    for sizes in (None, [1000], [7, 4096]):
+        (ev,) = [e for e in _scan(unit_matcher, data, sizes, context_lines=100) if e.kind == "match"]
+        assert ev.context == lines[-100:]
+    (ev,) = [e for e in _scan(unit_matcher, b"a\nb\nKilled\n", None, context_lines=100) if e.kind == "match"]
+    assert ev.context == ["a", "b"]
