@@ -8,13 +8,16 @@ so that the broker's defaults (20 messages in flight, 1,000 queued) are not what
 Phase 1 (throughput): every rank publishes progress events for STEPS steps as fast as the
 publishers can, batched per node as agents do; the daemon's CPU seconds come from
 /proc/<pid>/stat, so events per CPU second is its sustained rate on one core.
-Phase 2 (latency): TRIALS fresh jobs of 4,096 ranks each get a few steps of progress, then a
-failure cascade: one rank's CUDA OOM (root cause) followed by collateral on every other rank.
-Latency = from publishing the initiating line to receiving (a) the retained diagnosis naming
-that rank and (b) the MQTT alert. Prints a JSON summary.
+Phase 2 (latency): TRIALS fresh jobs of 4,096 ranks each get a few steps of progress (a burst of
+5 x 4,096 events), then, right behind that burst, a failure cascade: one rank's CUDA OOM (root
+cause) followed by collateral on every other rank. Latency = from publishing the initiating line
+to receiving (a) the retained diagnosis naming that rank and (b) the MQTT alert. Each trial
+starts once the daemon has ingested everything published before it (`--back-to-back`: as soon
+as the previous trial's alert arrived, which offers more than the daemon absorbs once alerts
+are fast). Prints a JSON summary.
 
     python bench/bench_serve.py [--nodes 512] [--ranks-per-node 8] [--steps 60] [--trials 10]
-        [--broker mqtt://127.0.0.1:1883] [--mosquitto PATH] [--profile OUT.pstats]
+        [--back-to-back] [--broker mqtt://127.0.0.1:1883] [--mosquitto PATH] [--profile OUT.pstats]
 """
 
 from __future__ import annotations
@@ -109,6 +112,18 @@ def _metric(url: str, name: str) -> float:
     return sum(float(m.group(1)) for m in re.finditer(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M))
 
 
+async def _wait_ingested(url: str, base: float, sent: int) -> None:
+    """Until the daemon has ingested `sent` events since its counter read `base`."""
+    got, stalled = 0.0, time.monotonic()
+    while got < sent:
+        await asyncio.sleep(0.25)  # a /metrics scrape costs the daemon CPU: not too often
+        now_got = _metric(url, "denpex_ingest_events_total") - base
+        if now_got > got:
+            got, stalled = now_got, time.monotonic()
+        elif time.monotonic() - stalled > 30:
+            raise RuntimeError(f"daemon stalled: {got:.0f} of {sent} events ingested")
+
+
 def progress(job: str, node: str, rank: int, local: int, step: int, ts: float) -> Event:
     return Event(
         id=f"{node}-{rank}-p{step}", kind="progress", job=job, node=node, rank=rank, local_rank=local,
@@ -199,14 +214,7 @@ async def run_with(args: argparse.Namespace, broker: tuple[str, int]) -> dict[st
             sent = 0
             for chunk in range(0, args.steps, 5):
                 sent += await fleet.publish_steps(job, range(chunk, min(chunk + 5, args.steps)), 1.8e9)
-            got, stalled = 0.0, time.monotonic()
-            while got < sent:
-                await asyncio.sleep(0.25)  # a /metrics scrape costs the daemon CPU: not too often
-                now_got = _metric(url, "denpex_ingest_events_total") - base
-                if now_got > got:
-                    got, stalled = now_got, time.monotonic()
-                elif time.monotonic() - stalled > 30:
-                    raise RuntimeError(f"daemon stalled: {got:.0f} of {sent} events ingested")
+            await _wait_ingested(url, base, sent)
             cpu, wall = _cpu_s(proc.pid) - cpu0, time.perf_counter() - w0
             out["throughput"] = {
                 "events": sent, "wall_s": round(wall, 2), "daemon_cpu_s": round(cpu, 2),
@@ -219,8 +227,13 @@ async def run_with(args: argparse.Namespace, broker: tuple[str, int]) -> dict[st
                 await sub.subscribe("denpex/v1/jobs/+/diagnosis", qos=1)
                 await sub.subscribe("denpex/v1/alerts/+", qos=1)
                 for trial in range(args.trials):
+                    if not args.back_to_back:
+                        # the previous cascade is absorbed first: each trial offers one burst
+                        await _wait_ingested(url, base, sent)
                     job = f"cascade-{trial}-{uuid.uuid4().hex[:6]}"
-                    await fleet.publish_steps(job, range(5), 1.8e9)
+                    sent += (
+                        await fleet.publish_steps(job, range(5), 1.8e9) + len(fleet.nodes) * fleet.per_node
+                    )
                     ni = (trial * 37) % len(fleet.nodes)
                     rank, lr = fleet.ranks(ni)[3]
                     node = fleet.nodes[ni]
@@ -272,6 +285,7 @@ async def run_with(args: argparse.Namespace, broker: tuple[str, int]) -> dict[st
                 "diagnosis_p50": pct(diag_lat, 0.5), "diagnosis_p99": pct(diag_lat, 0.99),
                 "alert_p50": pct(alert_lat, 0.5), "alert_p99": pct(alert_lat, 0.99),
                 "alert_mean": round(statistics.mean(alert_lat) * 1000, 1),
+                "alert_each": [round(x * 1000) for x in alert_lat],
             }  # fmt: skip
             out["rss_mb_end"] = round(_rss_mb(proc.pid))
             out["diagnosis_duration_s_sum"] = _metric(url, "denpex_diagnosis_duration_seconds_sum")
@@ -294,6 +308,12 @@ def main() -> None:
     p.add_argument("--trials", type=int, default=10)
     p.add_argument("--broker", help="use this broker (mqtt://HOST:PORT) instead of a private Mosquitto")
     p.add_argument("--mosquitto", default="mosquitto", help="Mosquitto binary for the private broker")
+    p.add_argument(
+        "--back-to-back",
+        action="store_true",
+        help="start each trial as soon as the previous alert arrived, not once the daemon ingested "
+        "everything published so far (offers more than the daemon absorbs once alerts are fast)",
+    )
     p.add_argument("--profile", help="run the daemon under cProfile and write its stats here")
     result = asyncio.run(run(p.parse_args()))
     print(orjson.dumps(result, option=orjson.OPT_INDENT_2).decode())

@@ -2,7 +2,9 @@
 
 An optional bearer token guards everything but `/-/healthy` and `/-/ready`. Job ids are checked
 with the wire protocol's rules before anything looks them up: a hostile id is a 400, an unknown
-one a 404.
+one a 404. `/api/v1/jobs/<id>/events?rank=&kind=&limit=` lists a job's events in arrival order,
+optionally of one rank and/or one kind (`match`, `progress`, `heartbeat`); progress events stored
+as one row per batch are expanded.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from denpex_agent import wire
+from denpex_agent.events import KINDS
 from denpexd.config import split_listen
 from denpexd.errors import HttpError
 from denpexd.jobs import JobTable
@@ -150,7 +153,10 @@ class Api:
             limit = max(1, min(int(request.query.get("limit", "100")), MAX_EVENTS))
         except ValueError:
             return _error(400, "rank and limit must be integers")
+        kind = request.query.get("kind") or None
+        if kind is not None and kind not in KINDS:
+            return _error(400, f"kind must be one of {', '.join(KINDS)}")
         if job not in self.table.jobs and not await self.store.job_exists(job):
             return _error(404, f"unknown job {job}")
         await self.table.writer.flush()
-        return _json({"job": job, "events": await self.store.events(job, rank, limit)})
+        return _json({"job": job, "events": await self.store.events(job, rank, limit, kind)})

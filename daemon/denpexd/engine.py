@@ -163,14 +163,21 @@ class Engine:
         self.agent_offsets: dict[str, tuple[float, float]] = {}
         self.events_seen = 0
         self.rank_events: dict[tuple[str, int | None], int] = {}  # rule events per (node, rank)
+        self.failing_aggs = 0  # aggregates whose first event is an error or worse
+        self.candidate_aggs = 0  # aggregates whose first event may name the initiator
         self._seq = 0
 
     # -- input ----------------------------------------------------------------------------------
 
-    def add(self, ev: Event) -> None:
+    def add(self, ev: Event, *, place: bool = True) -> None:
+        """Fold one event in. With `place=False` (a match event fed ahead of the events queued
+        before it, see `denpexd.jobs`), what depends on arrival order among all kinds (the
+        local-rank map and the order in which rank tracks appear) is left to `place(ev)`, which
+        the caller runs at the event's original position; the end state is then the same as if
+        every event had been added in arrival order."""
         self.events_seen += 1
         self._seq += 1
-        if ev.rank is not None and ev.local_rank is not None:
+        if place and ev.rank is not None and ev.local_rank is not None:
             self.local_ranks[(ev.node, ev.local_rank)] = ev.rank
         if ev.kind == "heartbeat":
             off = ev.fields.get("clock_offset_s")
@@ -186,7 +193,7 @@ class Engine:
             return
         if ev.rule is None:
             return
-        if ev.rank is not None:
+        if place and ev.rank is not None:
             self._track(ev.node, ev.rank)
         key = (ev.node, ev.rank, ev.rule)
         nr = (ev.node, ev.rank)
@@ -194,12 +201,23 @@ class Engine:
         agg = self.aggs.get(key)
         if agg is None:
             self.aggs[key] = Aggregate(first=ev, last_ts=ev.ts, seq=self._seq)
+            if ev.role in ("root-cause", "symptom"):
+                self.candidate_aggs += 1
+            if SEVERITIES.index(ev.severity or "info") >= ERROR:
+                self.failing_aggs += 1
             return
         agg.count += 1
         if ev.ts is not None and (agg.last_ts is None or ev.ts > agg.last_ts):
             agg.last_ts = ev.ts
         if ev.ts is not None and (agg.first.ts is None or ev.ts < agg.first.ts):
             agg.first, agg.seq = ev, self._seq
+
+    def place(self, ev: Event) -> None:
+        """The order-dependent part of `add(ev, place=False)`, run at the event's arrival position."""
+        if ev.rank is not None and ev.local_rank is not None:
+            self.local_ranks[(ev.node, ev.local_rank)] = ev.rank
+        if ev.kind == "match" and ev.rule is not None and ev.rank is not None:
+            self._track(ev.node, ev.rank)
 
     def _track(self, node: str, rank: int | None) -> RankTrack:
         t = self.tracks.get((node, rank))

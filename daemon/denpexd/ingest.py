@@ -4,15 +4,24 @@ Subscribes to `wire.SUBSCRIPTIONS`, validates every payload with `wire`, hands v
 a `BatchSink` (the job table) and answers clock requests. QoS 1 messages are acknowledged only
 after their events are in the store (paho's manual acknowledgement), so a `kill -9` between
 receipt and commit loses nothing: the broker redelivers to the persistent session.
+
+Received messages wait in a bounded backlog for validation. A batch that may carry match events
+is validated first and its match events are fed to the job's engine at once (`hoist`), so a
+failure is diagnosed without waiting behind a burst of progress; the batch is still submitted,
+stored and acknowledged at its own place in the backlog.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import itertools
 import logging
+import select
 import socket
 import ssl
 import time
+from collections import deque
 from collections.abc import Callable
 from types import TracebackType
 from typing import Protocol, Self
@@ -20,6 +29,7 @@ from urllib.parse import unquote, urlsplit
 
 import aiomqtt
 import orjson
+from paho.mqtt.enums import MQTTErrorCode
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
@@ -40,14 +50,39 @@ PUBLISH_DRAIN_S = 5.0  # waiting for the broker's PUBACKs of our own messages on
 _SOCKET_OPTIONS = ((socket.IPPROTO_TCP, socket.TCP_NODELAY, 1),)
 
 
+URGENT_SCAN_JOBS = 8
+READ_AHEAD_PACKETS = 64  # at most, per validated message
+BACKLOG_MAX = 2 * RECEIVE_MAXIMUM  # received, not yet validated messages (bounds memory)
+# A batch that may carry a match event is validated (and its matches hoisted) first. A JSON
+# string "match" is spelled with these bytes unless escaped with \u: no match event is missed,
+# and a false positive costs nothing (hoisting a batch without match events does nothing).
+_MATCH, _ESCAPE = b'"match"', b"\\u"
+
+
 class BatchSink(Protocol):
-    async def submit(self, batch: wire.Batch, ack: Ack) -> None: ...
+    async def submit(self, batch: wire.Batch, ack: Ack, payload: bytes | None = None) -> None: ...
+
+    async def hoist(self, batch: wire.Batch) -> None: ...
 
     def agent_status(self, job: str, agent: str, node: str, state: str) -> None: ...
 
 
 class Bus(Protocol):
     async def publish(self, topic: str, payload: bytes, *, retain: bool = False) -> None: ...
+
+
+_RAW, _HOISTED, _DONE = 0, 1, 2
+
+
+class _Entry:
+    """A received message waiting for validation (`batch` set once validated ahead of turn)."""
+
+    __slots__ = ("ack", "batch", "message", "state")
+
+    def __init__(self, message: aiomqtt.Message, ack: Ack) -> None:
+        self.message, self.ack = message, ack
+        self.batch: wire.Batch | None = None
+        self.state = _RAW
 
 
 class Ingest:
@@ -69,6 +104,14 @@ class Ingest:
         self._generation = 0
         self._connected = asyncio.Event()
         self._publishing: set[asyncio.Future[None]] = set()
+        self._backlog: deque[_Entry] = deque()
+        self._urgent: dict[str, deque[_Entry]] = {}  # job -> its batches carrying match events
+        self._pending = asyncio.Event()
+        self._draining = False
+        self._consumer: asyncio.Task[None] | None = None
+        self._validator: asyncio.Task[None] | None = None
+        self._room = asyncio.Event()
+        self._room.set()
         self.external = cfg.broker is not None
         self.address = cfg.broker or f"mqtt://{cfg.mqtt_listen}"
 
@@ -146,7 +189,89 @@ class Ingest:
                 log.debug("disconnect failed error=%s", exc)
 
     async def run(self) -> None:
-        """Consume until cancelled; reconnect with backoff when the broker goes away."""
+        """Consume until cancelled; reconnect with backoff when the broker goes away.
+
+        Received messages wait in a backlog (bounded by `BACKLOG_MAX`, beyond the broker's
+        window) for `_validate`; a batch carrying match events is validated and handed to the
+        sink's `hoist` ahead of that backlog, then submitted at its own place in it.
+        """
+        consume = self._consumer = asyncio.create_task(self._consume(), name="ingest-consume")
+        validate = self._validator = asyncio.create_task(self._validate(), name="ingest-validate")
+        tasks = {consume, validate}
+        try:
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                if not (task is consume and self._draining and task.cancelled()):
+                    task.result()  # neither returns unless draining: re-raise what stopped it
+            await validate  # draining: returns once the backlog is handed over
+        finally:
+            for task in tasks:
+                task.cancel()
+            for task in tasks:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+
+    async def drain(self) -> None:
+        """Stop reading from the broker, then validate and hand over what was received (the
+        sink acknowledges it once stored); `run()` returns when that is done."""
+        self._draining = True
+        if self._consumer is not None:
+            self._consumer.cancel()
+        self._pending.set()
+        if self._validator is not None:
+            await asyncio.wait({self._validator})
+
+    async def _validate(self) -> None:
+        backlog, urgent = self._backlog, self._urgent
+        while True:
+            if urgent:
+                entry = self._next_urgent()
+                if entry.state == _RAW:
+                    batch = self._decode(entry)
+                    if batch is not None:
+                        entry.batch, entry.state = batch, _HOISTED
+                        await self.sink.hoist(batch)
+            elif backlog:
+                entry = backlog.popleft()
+                if len(backlog) < BACKLOG_MAX:
+                    self._room.set()
+                if entry.state == _RAW:
+                    batch = self._decode(entry)
+                    if batch is not None:
+                        await self.sink.submit(batch, entry.ack, _payload(entry))
+                elif entry.state == _HOISTED:
+                    assert entry.batch is not None
+                    await self.sink.submit(entry.batch, entry.ack, _payload(entry))
+                entry.state = _DONE
+            elif self._draining:
+                return
+            else:
+                self._pending.clear()
+                await self._pending.wait()
+                continue
+            if len(backlog) < BACKLOG_MAX and not self._draining:
+                self._read_ahead()
+            await asyncio.sleep(0)  # let `_consume` take what was read: it may be urgent
+
+    def _read_ahead(self) -> None:
+        """Read the deliveries already in the socket now. The event loop's reader callback has
+        paho read one packet per wake-up, so a batch behind a backlog would otherwise stay in the
+        socket until everything before it was validated."""
+        client = self._client
+        if client is None:
+            return
+        paho = client._client
+        sock = paho.socket()
+        if sock is None:
+            return
+        pending = getattr(sock, "pending", None)  # TLS: bytes already decrypted
+        for _ in range(READ_AHEAD_PACKETS):
+            if not (pending is not None and pending()) and not select.select((sock,), (), (), 0)[0]:
+                return
+            if paho.loop_read() != MQTTErrorCode.MQTT_ERR_SUCCESS:
+                return
+
+    async def _consume(self) -> None:
         delay = 0.2
         while True:
             client = self._client
@@ -160,14 +285,50 @@ class Ingest:
                     delay = min(delay * 2, RECONNECT_MAX_S)
                 continue
             try:
+                queue = client._queue  # aiomqtt's: whatever paho has read already
                 async for message in client.messages:
-                    await self._handle(client, message)
+                    self._take(client, message)
+                    # the iterator costs a task and an `asyncio.wait` per message: take the rest
+                    # directly, so a batch behind them is seen (and possibly hoisted) now
+                    while queue.qsize() and len(self._backlog) < BACKLOG_MAX:
+                        self._take(client, queue.get_nowait())
+                    if len(self._backlog) >= BACKLOG_MAX:
+                        self._room.clear()
+                        await self._room.wait()
             except aiomqtt.MqttError as exc:
                 log.warning(
                     "broker connection lost; reconnecting address=%s error=%s", _safe(self.address), exc
                 )
                 self._client = None
                 self._connected.clear()
+
+    def _take(self, client: aiomqtt.Client, message: aiomqtt.Message) -> None:
+        entry = _Entry(message, self._acker(client, message))
+        self._backlog.append(entry)
+        payload = message.payload
+        if isinstance(payload, bytes) and (_MATCH in payload or _ESCAPE in payload):
+            job = _topic_job(message.topic.value)
+            if job is not None:
+                self._urgent.setdefault(job, deque()).append(entry)
+        self._pending.set()
+
+    def _next_urgent(self) -> _Entry:
+        """The oldest urgent batch of the first job (among the first few) whose diagnosis has not
+        failed yet, else of the first job: a new failure does not wait behind the cascade of
+        one already diagnosed. Each job's own urgent batches keep their order."""
+        urgent = self._urgent
+        settled = getattr(self.sink, "settled", None)
+        pick = next(iter(urgent))
+        if settled is not None:
+            for job in itertools.islice(urgent, URGENT_SCAN_JOBS):
+                if not settled(job):
+                    pick = job
+                    break
+        queue = urgent[pick]
+        entry = queue.popleft()
+        if not queue:
+            del urgent[pick]
+        return entry
 
     def _acker(self, client: aiomqtt.Client, message: aiomqtt.Message) -> Ack:
         generation, mid, qos = self._generation, message.mid, message.qos
@@ -178,8 +339,11 @@ class Ingest:
 
         return ack
 
-    async def _handle(self, client: aiomqtt.Client, message: aiomqtt.Message) -> None:
-        ack = self._acker(client, message)
+    def _decode(self, entry: _Entry) -> wire.Batch | None:
+        """A valid event batch, or None once anything else was handled (status, clock request,
+        invalid message: counted, logged, acknowledged)."""
+        message, ack = entry.message, entry.ack
+        entry.state = _DONE
         topic = message.topic.value
         payload = message.payload if isinstance(message.payload, bytes) else b""
         try:
@@ -187,14 +351,21 @@ class Ingest:
             if kind == "events":
                 batch = fastwire.decode_batch(payload, topic_job=job)  # same outcome as wire's
             elif kind == "clock":
-                await self._clock_reply(payload, agent or "")
+                t1 = self._clock()
+                a, t0 = wire.decode_clock_request(payload)
+                if a != (agent or ""):
+                    raise wire.WireError(f"invalid agent id {a!r}: does not match the topic")
+                self.metrics.clock_requests.inc()
+                self._publish_nowait(
+                    wire.clock_reply_topic(a), wire.encode_clock_reply(t0, t1, self._clock()), False, 0
+                )
                 ack()
-                return
+                return None
             else:
                 a, node, state = wire.decode_status(payload)
                 self.sink.agent_status(job, a, node, state)
                 ack()
-                return
+                return None
         except wire.WireError as exc:
             reason = invalid_reason(exc.reason)
             self.metrics.batches_invalid.labels(reason).inc()
@@ -203,19 +374,9 @@ class Ingest:
                 reason, topic[:160], _sender(payload), len(payload), exc.reason[:200],
             )  # fmt: skip
             ack()
-            return
+            return None
         self.metrics.batches.inc()
-        await self.sink.submit(batch, ack)
-
-    async def _clock_reply(self, payload: bytes, topic_agent: str) -> None:
-        t1 = self._clock()
-        agent, t0 = wire.decode_clock_request(payload)
-        if agent != topic_agent:
-            raise wire.WireError(f"invalid agent id {agent!r}: does not match the topic")
-        self.metrics.clock_requests.inc()
-        await self.publish(
-            wire.clock_reply_topic(agent), wire.encode_clock_reply(t0, t1, self._clock()), qos=0
-        )
+        return batch
 
     async def publish(self, topic: str, payload: bytes, *, retain: bool = False, qos: int = 1) -> None:
         """Queue a message for the broker without waiting for its PUBACK.
@@ -225,14 +386,18 @@ class Ingest:
         consumed. Messages leave in the order of the calls; the confirmation is awaited in the
         background (and on disconnect, within `PUBLISH_DRAIN_S`).
         """
+        if self._publish_nowait(topic, payload, retain, qos):
+            await asyncio.sleep(0)  # let the task hand the message to the client now, in call order
+
+    def _publish_nowait(self, topic: str, payload: bytes, retain: bool, qos: int) -> bool:
         client = self._client
         if client is None:
             log.warning("publish skipped: not connected topic=%s", topic)
-            return
+            return False
         task = asyncio.ensure_future(self._publish(client, topic, payload, retain, qos))
         self._publishing.add(task)
         task.add_done_callback(self._publishing.discard)
-        await asyncio.sleep(0)  # let the task hand the message to the client now, in call order
+        return True
 
     async def _publish(
         self, client: aiomqtt.Client, topic: str, payload: bytes, retain: bool, qos: int
@@ -241,6 +406,19 @@ class Ingest:
             await client.publish(topic, payload, qos=qos, retain=retain)
         except aiomqtt.MqttError as exc:
             log.warning("publish failed topic=%s error=%s", topic, exc)
+
+
+def _topic_job(topic: str) -> str | None:
+    try:
+        kind, job, _ = wire.parse_topic(topic)
+    except wire.WireError:
+        return None
+    return job if kind == "events" else None
+
+
+def _payload(entry: _Entry) -> bytes | None:
+    payload = entry.message.payload
+    return payload if isinstance(payload, bytes) else None
 
 
 def _sender(payload: bytes) -> str:

@@ -2,9 +2,11 @@
 
 Batches wait in a bounded queue per job (ingest waits when it is full); one worker drains the
 jobs round-robin: duplicates are dropped by event id (bounded LRU per job), events go to the
-engine and to the store. A diagnosis task recomputes dirty jobs at most every `debounce_s`,
-publishes the result retained on `denpex/v1/jobs/<job>/diagnosis`, stores it, updates the
-per-job metrics and lets the alerter decide. Jobs idle for `job_idle_close_s` are closed; when
+engine and to the store (match events may have reached the engine earlier through `hoist`). A
+diagnosis task recomputes dirty jobs at most every `debounce_s` (a job whose verdict may turn
+"failed", or whose initiator may move, is diagnosed at once instead), publishes the result
+retained on `denpex/v1/jobs/<job>/diagnosis`, updates the per-job metrics, lets the alerter
+decide and stores it. Jobs idle for `job_idle_close_s` are closed; when
 `max_open_jobs` is reached the least recently active job is evicted (and counted).
 """
 
@@ -27,7 +29,7 @@ from denpexd.config import ServeConfig
 from denpexd.engine import Engine
 from denpexd.ingest import Ack
 from denpexd.metrics import Metrics
-from denpexd.store import EventWriter, Store, event_row
+from denpexd.store import EventWriter, Store, event_row, progress_batch_row
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +47,7 @@ class JobState:
     first_seen: float
     last_seen: float
     seen: OrderedDict[str, None] = field(default_factory=OrderedDict)
-    pending: deque[tuple[wire.Batch, Ack, float]] = field(default_factory=deque)
+    pending: deque[tuple[wire.Batch, Ack, float, bytes | None]] = field(default_factory=deque)
     room: asyncio.Event = field(default_factory=asyncio.Event)
     scheduled: bool = False
     dirty_since: float | None = None
@@ -56,6 +58,7 @@ class JobState:
     failure_observed: bool = False
     labels: dict[str, Any] = field(default_factory=dict)
     suppressed: int = 0
+    hoisted: set[str] = field(default_factory=set)  # ids of match events fed ahead of their batch
 
 
 class JobTable:
@@ -104,7 +107,7 @@ class JobTable:
         state = self.jobs.pop(job)
         self.metrics.jobs_evicted.inc()
         dropped: Counter[str] = Counter()
-        for batch, ack, _ in state.pending:
+        for batch, ack, _, _ in state.pending:
             dropped.update(e.kind for e in batch.events)
             ack()
         self.metrics.dropped(dropped)
@@ -114,18 +117,69 @@ class JobTable:
         self._forget(state)
         log.warning("open job evicted (max_open_jobs reached) job=%s", job)
 
-    async def submit(self, batch: wire.Batch, ack: Ack) -> None:
+    async def submit(self, batch: wire.Batch, ack: Ack, payload: bytes | None = None) -> None:
+        """Queue a validated batch; `payload`, its wire form, lets a batch of progress events alone
+        be stored as one row (see `store.progress_batch_row`)."""
         state = self._open(batch.job)
         while len(state.pending) >= self.cfg.job_queue_batches:
             self.metrics.backpressure.inc()
             state.room.clear()
             await state.room.wait()
             state = self._open(batch.job)  # it may have been evicted meanwhile
-        state.pending.append((batch, ack, self._mono()))
+        state.pending.append((batch, ack, self._mono(), payload))
         if not state.scheduled:
             state.scheduled = True
             self._ready.append(batch.job)
             self._work.set()
+
+    def settled(self, job: str) -> bool:
+        """Whether the job's last diagnosis already says "failed" (ingest hoists other jobs'
+        batches first)."""
+        state = self.jobs.get(job)
+        return state is not None and state.diagnosis is not None and state.diagnosis["verdict"] == "failed"
+
+    async def hoist(self, batch: wire.Batch) -> None:
+        """Feed a batch's match events to the engine now, ahead of the batches queued before it.
+
+        Ingest calls this for a batch that carries match events as soon as it is validated, then
+        `submit`s the same batch in its arrival order; `_process` then stores those events and
+        runs `Engine.place` for them at their original position, so the engine ends in the state
+        that arrival order gives (rank tracks, local-rank map) while a failure is diagnosed
+        without waiting behind the progress backlog.
+        """
+        state = self._open(batch.job)
+        seen, hoisted, engine, received = state.seen, state.hoisted, state.engine, self._mono()
+        limit = self.cfg.dedup_ids_per_job
+        failing, candidates = engine.failing_aggs, engine.candidate_aggs
+        fed = False
+        for ev in batch.events:
+            if ev.kind != "match" or ev.id in seen:
+                continue
+            seen[ev.id] = None
+            if len(seen) > limit:
+                seen.popitem(last=False)
+            hoisted.add(ev.id)
+            engine.add(ev, place=False)
+            fed = True
+            if ev.rule is not None:
+                key = (ev.node, ev.rank, ev.rule)
+                if key not in state.arrivals:
+                    state.arrivals[key] = received
+        if fed:
+            await self._changed(state, failing, candidates)
+
+    async def _changed(self, state: JobState, failing: int, candidates: int) -> None:
+        """The engine took new rule events: diagnose now when the verdict may turn "failed" or the
+        initiator may move (at most every 4 diagnosis costs); otherwise the debounce applies."""
+        engine = state.engine
+        was_failed = state.diagnosis is not None and state.diagnosis.get("verdict") == "failed"
+        urgent = (engine.failing_aggs > failing and not was_failed) or (
+            engine.candidate_aggs > candidates and (was_failed or engine.failing_aggs > 0)
+        )
+        if urgent and self._mono() >= state.last_diagnosis_at + 4 * state.diagnosis_cost:
+            await self.diagnose(state)
+        else:
+            self._mark_dirty(state)
 
     def agent_status(self, job: str, agent: str, node: str, state: str) -> None:
         per_job = self.agents.setdefault(job, {})
@@ -158,31 +212,38 @@ class JobTable:
                     continue
                 state.scheduled = False
                 while state.pending:
-                    batch, ack, received = state.pending.popleft()
+                    batch, ack, received, payload = state.pending.popleft()
                     state.room.set()
-                    await self._process(state, batch, ack, received)
+                    await self._process(state, batch, ack, received, payload)
                     if self.jobs.get(job) is not state:
                         break
             self._busy = False
 
-    async def _process(self, state: JobState, batch: wire.Batch, ack: Ack, received: float) -> None:
-        seen, engine, limit = state.seen, state.engine, self.cfg.dedup_ids_per_job
+    async def _process(
+        self, state: JobState, batch: wire.Batch, ack: Ack, received: float, payload: bytes | None
+    ) -> None:
+        seen, engine, limit, hoisted = state.seen, state.engine, self.cfg.dedup_ids_per_job, state.hoisted
+        failing, candidates = engine.failing_aggs, engine.candidate_aggs
         kinds: Counter[str] = Counter()
         dups: Counter[str] = Counter()
         nan: Counter[str] = Counter()
-        rows = []
+        accepted = []
         wall = self._wall()
         newest: float | None = None
         for ev in batch.events:
-            if ev.id in seen:
+            if hoisted and ev.id in hoisted:
+                hoisted.discard(ev.id)  # fed ahead by `hoist`: place it here, in arrival order
+                engine.place(ev)
+            elif ev.id in seen:
                 dups[ev.kind] += 1
                 continue
-            seen[ev.id] = None
-            if len(seen) > limit:
-                seen.popitem(last=False)
-            engine.add(ev)
+            else:
+                seen[ev.id] = None
+                if len(seen) > limit:
+                    seen.popitem(last=False)
+                engine.add(ev)
             kinds[ev.kind] += 1
-            rows.append(event_row(ev, wall))
+            accepted.append(ev)
             if ev.ts is not None and (newest is None or ev.ts > newest):
                 newest = ev.ts
             if ev.kind == "match" and ev.rule is not None:
@@ -195,6 +256,10 @@ class JobTable:
             elif ev.kind == "progress":
                 nan["info"] += 1
         state.last_seen = wall
+        if payload is not None and len(accepted) == len(batch.events) and kinds.keys() == {"progress"}:
+            rows = [progress_batch_row(batch, payload, wall)]  # progress only, nothing dropped
+        else:
+            rows = [event_row(ev, wall) for ev in accepted]
         self.metrics.ingested(kinds)
         self.metrics.duplicates(dups)
         for stage, n in nan.items():
@@ -202,7 +267,7 @@ class JobTable:
         if newest is not None:
             self.metrics.ingest_lag.observe(max(0.0, wall - newest))
         if kinds:
-            self._mark_dirty(state)
+            await self._changed(state, failing, candidates)
         await self.writer.add(rows, state.job, state.first_seen, wall, ack)
 
     def _mark_dirty(self, state: JobState) -> None:
@@ -263,8 +328,9 @@ class JobTable:
                 orjson.dumps(doc, option=orjson.OPT_NON_STR_KEYS),
                 retain=True,
             )
-        await self.store.save_diagnosis(state.job, doc)
+        # the alert first: storing the diagnosis may wait behind a commit of events
         await self.alerter.on_diagnosis(state.job, doc)
+        await self.store.save_diagnosis(state.job, doc)
         return doc
 
     def _export(self, state: JobState, doc: dict[str, Any]) -> None:
@@ -349,11 +415,14 @@ class JobTable:
         for job, first_seen, last_seen in reversed(await self.store.open_jobs(self.cfg.max_open_jobs)):
             state = self._open(job, first_seen)
             state.last_seen = last_seen
+            seen, limit = state.seen, self.cfg.dedup_ids_per_job
             for ev in await self.store.load_events(job):
-                state.seen[ev.id] = None
+                if ev.id in seen:
+                    continue  # the live path dropped it too (rows of progress batches can repeat ids)
+                seen[ev.id] = None
+                if len(seen) > limit:
+                    seen.popitem(last=False)
                 state.engine.add(ev)
-            while len(state.seen) > self.cfg.dedup_ids_per_job:
-                state.seen.popitem(last=False)
             self.alerter.restore(job, await self.store.incidents(job))
             state.failure_observed = job in self.alerter.active
             self._mark_dirty(state)

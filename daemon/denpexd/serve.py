@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import signal
 import time
@@ -34,6 +35,7 @@ from denpexd.store import Store
 log = logging.getLogger(__name__)
 
 RETENTION_EVERY_S = 3600.0
+GC_THRESHOLD = 20_000  # allocations between young-generation collections (default 700)
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,13 +153,14 @@ class App:
                     tg.create_task(self._retention(store), name="retention"),
                 ]
                 await self._stop.wait()
-                consumer.cancel()
                 try:
                     async with asyncio.timeout(self.loaded.cfg.shutdown_timeout_s):
+                        await ingest.drain()  # stops reading; hands over what was received
                         await table.drain()
                         await alerter.drain()
                 except TimeoutError:
                     log.warning("shutdown timeout: some batches were not drained (they stay unacknowledged)")
+                consumer.cancel()
                 for task in workers:
                     task.cancel()
         log.info("denpexd serve stopped")
@@ -174,6 +177,12 @@ class App:
 def run_serve(loader: Loader) -> None:
     """Load, then serve until stopped; raises `DenpexdError` subclasses for the CLI to report."""
     app = App(loader)
+    # The daemon holds hundreds of thousands of long-lived objects (events kept by the engines,
+    # diagnoses, queued batches); the collector's default of a young-generation pass every 700
+    # allocations makes it re-examine them often. Start-up objects (modules, rules) are frozen.
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(GC_THRESHOLD, 20, 20)
     try:
         asyncio.run(app.run())
     except asyncio.CancelledError:

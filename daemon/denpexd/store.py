@@ -2,7 +2,9 @@
 
 One dedicated thread owns the connection; every method is a coroutine that runs its statement
 there, so the event loop never waits on the disk. Events are keyed by (job, event id), so writing
-a duplicate is a no-op and a restart can rebuild the dedup sets from what is stored.
+a duplicate is a no-op and a restart can rebuild the dedup sets from what is stored. A batch of
+progress events alone is one row (`progress_batch_row`, schema version 2): it is expanded when
+events are restored or listed, and deduplicated in memory like the live path does.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import sqlite3
 import time
+from collections import deque
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -18,8 +21,10 @@ from typing import Any, Self, TypeVar
 
 import orjson
 
+from denpex_agent import wire
 from denpex_agent.events import Event
 from denpex_agent.wire import event_to_wire
+from denpexd import fastwire
 from denpexd.errors import StoreError
 
 T = TypeVar("T")
@@ -39,9 +44,16 @@ _MIGRATIONS: tuple[str, ...] = (
         job TEXT NOT NULL, incident TEXT NOT NULL, fired_at REAL NOT NULL, resolved_at REAL,
         alert BLOB NOT NULL, PRIMARY KEY (job, incident));
     """,
+    # 2: a batch of progress events alone is one row of kind 'batch' (`progress_batch_row`):
+    # `doc` is the batch as received, `id` its first event's id, `rank`..`rank_last` its ranks
+    """
+    ALTER TABLE events ADD COLUMN rank_last INTEGER;
+    """,
 )
 
-EventRow = tuple[str, str, str, int | None, str, float | None, float, bytes]
+BATCH = "batch"  # the `kind` of a row that holds a whole batch of progress events
+
+EventRow = tuple[str, str, str, int | None, str, float | None, float, bytes, int | None]
 
 
 def event_row(ev: Event, received: float) -> EventRow:
@@ -56,7 +68,30 @@ def event_row(ev: Event, received: float) -> EventRow:
         # orjson's result keeps its whole output buffer (KiBs for a 400-byte event): keep a copy of
         # the exact size, since thousands of rows wait in the writer's buffer for their commit
         bytes(memoryview(orjson.dumps(event_to_wire(ev)))),
+        ev.rank,
     )
+
+
+def progress_batch_row(batch: wire.Batch, payload: bytes, received: float) -> EventRow:
+    """One row for a whole batch of progress events: its payload as received (valid, since
+    it decoded to `batch`), keyed by its first event's id. Restoring and listing decode it."""
+    ranks = [ev.rank for ev in batch.events if ev.rank is not None]
+    ts = [ev.ts for ev in batch.events if ev.ts is not None]
+    return (
+        batch.job,
+        batch.events[0].id,
+        batch.node,
+        min(ranks) if ranks else None,
+        BATCH,
+        max(ts) if ts else None,
+        received,
+        payload,
+        max(ranks) if ranks else None,
+    )
+
+
+def _batch_events(job: str, doc: bytes) -> list[Event]:
+    return fastwire.decode_batch(doc, topic_job=job).events
 
 
 class Store:
@@ -114,8 +149,8 @@ class Store:
         db.execute("BEGIN")
         before = db.total_changes
         db.executemany(
-            "INSERT OR IGNORE INTO events (job, id, node, rank, kind, ts, received, doc)"
-            " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+            "INSERT OR IGNORE INTO events (job, id, node, rank, kind, ts, received, doc, rank_last)"
+            " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
             rows,
         )
         written = db.total_changes - before
@@ -146,8 +181,40 @@ class Store:
 
     def _load_events(self, job: str) -> list[Event]:
         out = []
-        for node, doc in self.db.execute("SELECT node, doc FROM events WHERE job = ? ORDER BY seq", (job,)):
-            out.append(Event(job=job, node=node, **orjson.loads(doc)))
+        sql = "SELECT node, kind, doc FROM events WHERE job = ? ORDER BY seq"
+        for node, kind, doc in self.db.execute(sql, (job,)):
+            if kind == BATCH:
+                out.extend(_batch_events(job, doc))
+            else:
+                out.append(Event(job=job, node=node, **orjson.loads(doc)))
+        return out
+
+    def _events(self, job: str, rank: int | None, kind: str | None, limit: int) -> list[dict[str, Any]]:
+        args: list[Any]
+        where, args = "job = ?", [job]
+        if rank is not None:
+            where += " AND (rank = ? OR (kind = ? AND rank <= ? AND rank_last >= ?))"
+            args += [rank, BATCH, rank, rank]
+        if kind == "progress":
+            where += " AND kind IN (?, ?)"
+            args += ["progress", BATCH]
+        elif kind is not None:
+            where += " AND kind = ?"
+            args.append(kind)
+        out: list[dict[str, Any]] = []
+        for node, k, doc in self.db.execute(
+            f"SELECT node, kind, doc FROM events WHERE {where} ORDER BY seq", args
+        ):
+            if k == BATCH:
+                for ev in _batch_events(job, doc):
+                    if rank is None or ev.rank == rank:
+                        out.append({"job": job, "node": ev.node, **event_to_wire(ev)})
+                        if len(out) >= limit:
+                            return out
+            else:
+                out.append({"job": job, "node": node, **orjson.loads(doc)})
+                if len(out) >= limit:
+                    return out
         return out
 
     # -- coroutines -------------------------------------------------------------------------------
@@ -221,14 +288,12 @@ class Store:
     async def job_exists(self, job: str) -> bool:
         return bool(await self._run(self._query, "SELECT 1 FROM jobs WHERE job = ?", (job,)))
 
-    async def events(self, job: str, rank: int | None, limit: int) -> list[dict[str, Any]]:
-        if rank is None:
-            sql, args = "SELECT node, doc FROM events WHERE job = ? ORDER BY seq LIMIT ?", (job, limit)
-        else:
-            sql = "SELECT node, doc FROM events WHERE job = ? AND rank = ? ORDER BY seq LIMIT ?"
-            args = (job, rank, limit)  # type: ignore[assignment]
-        rows = await self._run(self._query, sql, args)
-        return [{"job": job, "node": node, **orjson.loads(doc)} for node, doc in rows]
+    async def events(
+        self, job: str, rank: int | None, limit: int, kind: str | None = None
+    ) -> list[dict[str, Any]]:
+        """A job's events in arrival order (progress batches expanded), optionally of one rank
+        and/or one kind."""
+        return await self._run(self._events, job, rank, kind, limit)
 
     async def apply_retention(self, closed_before: float) -> int:
         return await self._run(self._retention, closed_before)
@@ -256,14 +321,19 @@ class EventWriter:
     """
 
     def __init__(
-        self, store: Store, *, max_rows: int = 50_000, on_wait: Callable[[], None] | None = None
+        self,
+        store: Store,
+        *,
+        max_rows: int = 50_000,
+        commit_rows: int = 1_000,
+        on_wait: Callable[[], None] | None = None,
     ) -> None:
         self.store = store
         self.max_rows = max_rows
+        self.commit_rows = commit_rows
         self._on_wait = on_wait
-        self._rows: list[EventRow] = []
-        self._jobs: dict[str, tuple[float, float]] = {}
-        self._acks: list[Callable[[], None]] = []
+        self._adds: deque[tuple[list[EventRow], str, float, float, Callable[[], None]]] = deque()
+        self._buffered = 0  # rows in `_adds`
         self._wake = asyncio.Event()
         self._room = asyncio.Event()
         self._room.set()
@@ -274,32 +344,40 @@ class EventWriter:
     async def add(
         self, rows: list[EventRow], job: str, first: float, last: float, ack: Callable[[], None]
     ) -> None:
-        while len(self._rows) >= self.max_rows:
+        while self._buffered >= self.max_rows:
             if self._on_wait is not None:
                 self._on_wait()
             self._room.clear()
             await self._room.wait()
-        self._rows.extend(rows)
-        prev = self._jobs.get(job)
-        self._jobs[job] = (min(first, prev[0]), max(last, prev[1])) if prev else (first, last)
-        self._acks.append(ack)
+        self._adds.append((rows, job, first, last, ack))
+        self._buffered += len(rows)
         self._idle.clear()
         self._wake.set()
 
     async def run(self) -> None:
+        adds = self._adds
         while True:
             await self._wake.wait()
             self._wake.clear()
-            rows, self._rows = self._rows, []
-            jobs, self._jobs = self._jobs, {}
-            acks, self._acks = self._acks, []
-            self._room.set()
-            if rows or jobs:
+            while adds:
+                # one transaction for what is buffered, up to `commit_rows` rows: a short commit
+                # keeps the store thread free for incidents and diagnoses queued behind it
+                rows: list[EventRow] = []
+                jobs: dict[str, tuple[float, float]] = {}
+                acks = []
+                while adds and (not rows or len(rows) + len(adds[0][0]) <= self.commit_rows):
+                    more, job, first, last, ack = adds.popleft()
+                    rows.extend(more)
+                    prev = jobs.get(job)
+                    jobs[job] = (min(first, prev[0]), max(last, prev[1])) if prev else (first, last)
+                    acks.append(ack)
+                self._buffered -= len(rows)
+                if self._buffered < self.max_rows:
+                    self._room.set()
                 self.written += await self.store.write_events(rows, jobs)
-            for ack in acks:
-                ack()
-            if not self._rows and not self._acks:
-                self._idle.set()
+                for ack in acks:
+                    ack()
+            self._idle.set()
 
     async def flush(self) -> None:
         """Wait until everything added so far is committed and acknowledged."""
