@@ -463,9 +463,10 @@ class LineScanner:
         if want <= 0:
             return []
         lines = _last_lines(buf, pos, want)
-        if len(lines) < want and self._tail:
-            tail = self._tail
-            lines = _last_lines(tail, len(tail), want - len(lines)) + lines
+        for seg in reversed(self._segments):  # newest first; each segment starts at a line start
+            if len(lines) >= want:
+                break
+            lines = _last_lines(seg, len(seg), want - len(lines)) + lines
         return mask_lines(lines)
 
     # -- progress -----------------------------------------------------------------------------
