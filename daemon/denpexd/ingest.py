@@ -24,7 +24,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from types import TracebackType
-from typing import Protocol, Self
+from typing import Any, Protocol, Self
 from urllib.parse import unquote, urlsplit
 
 import aiomqtt
@@ -43,6 +43,7 @@ log = logging.getLogger(__name__)
 
 Ack = Callable[[], None]
 RECEIVE_MAXIMUM = 1000
+QOS0_QUEUE_MAX = 10_000  # QoS 0 messages the client may hold before ingest takes them
 RECONNECT_MAX_S = 10.0
 PUBLISH_DRAIN_S = 5.0  # waiting for the broker's PUBACKs of our own messages on disconnect
 # Acks are small packets sent one by one: without TCP_NODELAY, Nagle's algorithm meets the
@@ -149,6 +150,20 @@ class Ingest:
             )
         # Acknowledge QoS 1 deliveries only once the store holds them (see the module docstring).
         client._client.manual_ack_set(True)
+        # QoS 1 deliveries are bounded by the broker's in-flight window (RECEIVE_MAXIMUM); QoS 0
+        # ones are not, so while ingest is behind they are shed (and counted) instead of queued
+        # without bound in the client.
+        deliver: Any = client._client.on_message
+        queue = client._queue
+        shed = self.metrics.messages_shed
+
+        def on_message(paho: Any, userdata: Any, message: Any) -> None:
+            if message.qos == 0 and queue.qsize() >= QOS0_QUEUE_MAX:
+                shed.inc()
+                return
+            deliver(paho, userdata, message)
+
+        client._client.on_message = on_message
         return client
 
     async def __aenter__(self) -> Self:

@@ -54,6 +54,11 @@ class Metrics:
             "denpex_ingest_events_duplicate_total", "Events dropped as duplicates by id", ["kind"], registry=r
         )
         self.batches = Counter("denpex_ingest_batches_total", "Valid event batches received", registry=r)
+        self.messages_shed = Counter(
+            "denpex_ingest_messages_shed_total",
+            "QoS 0 messages not taken because ingest was behind (QoS 1 is bounded by the broker)",
+            registry=r,
+        )
         self.batches_invalid = Counter(
             "denpex_ingest_batches_invalid_total", "Rejected MQTT payloads", ["reason"], registry=r
         )
