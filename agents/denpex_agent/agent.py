@@ -272,19 +272,20 @@ class Agent:
             items = [item]
             size = item.size
             deadline = time.monotonic() + cfg.batch_max_delay
-            while size < cfg.batch_max_bytes:
+            # Gather for up to batch_max_delay: take what is queued, sleep, take again (one timer
+            # per batch rather than a wait_for task per item).
+            while size < cfg.batch_max_bytes and not done:
+                while size < cfg.batch_max_bytes and not self._queue.empty():
+                    nxt = self._queue.get_nowait()
+                    if nxt is None:
+                        done = True
+                        break
+                    items.append(nxt)
+                    size += nxt.size
                 remaining = deadline - time.monotonic()
-                if remaining <= 0:
+                if done or size >= cfg.batch_max_bytes or remaining <= 0:
                     break
-                try:
-                    nxt = await asyncio.wait_for(self._queue.get(), remaining)
-                except TimeoutError:
-                    break
-                if nxt is None:
-                    done = True
-                    break
-                items.append(nxt)
-                size += nxt.size
+                await asyncio.sleep(remaining)
             events = [e for i in items for e in i.events]
             for part in _split(events, cfg.batch_max_bytes):
                 self._seq += 1
