@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -214,9 +213,7 @@ class Agent:
         beats: list[Event] = []
         for f in self.tailer.files:
             ts = f.scanner.last_ts()
-            fields: dict[str, Any] = {"agent_time": now, "lag_bytes": 0}
-            with contextlib.suppress(OSError):
-                fields["lag_bytes"] = max(os.fstat(f.fh.fileno()).st_size - f.pos, 0)
+            fields: dict[str, Any] = {"agent_time": now, "lag_bytes": self.tailer.file_lag(f)}
             if est is not None:
                 fields["clock_offset_s"], fields["clock_uncertainty_s"] = est
             src = f.scanner.source
@@ -258,6 +255,7 @@ class Agent:
                 m.warnings.labels(reason=reason).inc(n - self._reported.get(key, 0))
                 self._reported[key] = n
         m.files.set(len(self.tailer.files))
+        m.read_lag.set(self.tailer.lag_bytes())
         m.checkpoint_lag.set(self._inflight)
 
     async def _send_loop(self, pub: Publisher) -> None:

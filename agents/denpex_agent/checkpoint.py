@@ -110,8 +110,3 @@ class Checkpoints:
         finally:
             os.close(dfd)
         self.writes += 1
-
-    def save(self) -> None:
-        data = self.snapshot()
-        if data is not None:
-            self.write(data)

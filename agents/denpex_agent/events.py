@@ -42,10 +42,6 @@ class Event:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> Event:
-        return cls(**data)
-
 
 def file_identity(dev: int, inode: int, head: bytes) -> str:
     """Identity of a file that survives renames: device, inode and a hash of its first bytes."""

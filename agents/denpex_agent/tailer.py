@@ -337,14 +337,16 @@ class Tailer:
         self.stats.files_closed += 1
         log.info("stopped following file path=%s offset=%d", f.path, f.pos)
 
+    @staticmethod
+    def file_lag(f: Followed) -> int:
+        """Bytes written to a followed file that were not read yet (0 if it cannot be stat'ed)."""
+        try:
+            return max(os.fstat(f.fh.fileno()).st_size - f.pos, 0)
+        except OSError:
+            return 0
+
     def lag_bytes(self) -> int:
-        total = 0
-        for f in self.files:
-            try:
-                total += max(os.fstat(f.fh.fileno()).st_size - f.pos, 0)
-            except OSError:
-                continue
-        return total
+        return sum(self.file_lag(f) for f in self.files)
 
     def close(self) -> None:
         for f in self.files:

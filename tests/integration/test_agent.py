@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -196,6 +197,7 @@ async def test_hostile_files_are_warned_about_and_the_rest_is_served(tmp_path: P
     assert 'denpex_agent_warnings_total{reason="glob-empty"}' in metrics
     assert "denpex_agent_lines_truncated_total 1.0" in metrics
     assert "denpex_agent_batches_published_total" in metrics
+    assert re.search(r"^denpex_agent_read_lag_bytes [0-9.e+]+$", metrics, re.M)
     log = (tmp_path / "agent.log").read_text()
     assert "rank2.log" in log and "rank3.log" in log and "absent" in log
 
