@@ -72,7 +72,8 @@ def _split(events: list[Event], max_bytes: int) -> list[list[Event]]:
 
 
 def _event_size(ev: Event) -> int:
-    return 300 + len(ev.text) + sum(len(c) + 4 for c in ev.context) + len(ev.file)
+    ctx = ev.context
+    return 300 + len(ev.text) + (sum(map(len, ctx)) + 4 * len(ctx) if ctx else 0) + len(ev.file)
 
 
 class Agent:

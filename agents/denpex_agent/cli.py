@@ -34,6 +34,10 @@ _HELP = {
     "rules": "rule library folder (default: the bundled library)",
     "metrics_listen": "HOST:PORT for a Prometheus endpoint with the agent's own metrics",
     "mqtt_version": "auto (5, falling back to 3.1.1), 5 or 3.1.1",
+    "poll_interval": "seconds between looks at the followed files when they are idle; the main "
+    "term of the write-to-broker latency (default: 0.15)",
+    "batch_max_delay": "seconds the sender waits for more reads before publishing; 0 publishes "
+    "each read's events at once (one read of every file is already one batch) (default: 0)",
 }
 
 _EPILOG = """\

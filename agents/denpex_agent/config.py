@@ -78,8 +78,8 @@ class AgentConfig:
     rules: str | None = None
     layout: str | None = None
     batch_max_bytes: int = 256 * 1024
-    batch_max_delay: float = 0.05
-    poll_interval: float = 0.1
+    batch_max_delay: float = 0.0
+    poll_interval: float = 0.15
     discover_interval: float = 1.0
     heartbeat_interval: float = 5.0
     clock_interval: float = 30.0
@@ -222,13 +222,15 @@ def validate(values: Mapping[str, Any]) -> AgentConfig:
     if (cfg.ca_file or cfg.cert_file) and not url.tls:
         raise ConfigError("certificates given but the broker URL is not mqtts://")
     positive = (
-        "batch_max_bytes", "batch_max_delay", "poll_interval", "discover_interval", "heartbeat_interval",
+        "batch_max_bytes", "poll_interval", "discover_interval", "heartbeat_interval",
         "clock_interval", "checkpoint_interval", "max_line_bytes", "read_chunk", "max_inflight_bytes",
         "shutdown_timeout", "progress_interval",
     )  # fmt: skip
     for key in positive:
         if getattr(cfg, key) <= 0:
             raise ConfigError(f"{key} must be > 0")
+    if cfg.batch_max_delay < 0:
+        raise ConfigError("batch_max_delay must be >= 0")
     if cfg.batch_max_bytes > 900 * 1024:
         raise ConfigError("batch_max_bytes must be at most 900 KiB (receivers refuse payloads over 1 MiB)")
     if cfg.context_lines < 0 or cfg.context_lines > 200:

@@ -581,18 +581,20 @@ def _last_lines(data: bytes, end: int, count: int) -> list[str]:
     decoded in one go and cut to MAX_CONTEXT_LINE characters each."""
     if end <= 0 or count <= 0:
         return []
-    cur = end - 1
-    first = 0
-    found = 0
-    while found < count:
-        prev = data.rfind(b"\n", 0, cur)
-        found += 1
-        if prev < 0:
-            first = 0
+    stop = end - 1
+    window = 160 * count  # a guess at the span, widened until it holds enough newlines
+    while True:
+        first = max(stop - window, 0)
+        if first == 0 or data.count(b"\n", first, stop) >= count:
             break
-        first = prev + 1
-        cur = prev
-    lines = data[first : end - 1].decode("utf-8", "replace").split("\n")
+        window *= 4
+    piece = data[first:stop]
+    if first > 0:  # drop the line cut by the window's start (maybe whole: one line too many)
+        piece = piece[piece.find(b"\n") + 1 :]
+    raw = piece.split(b"\n")
+    if len(raw) > count:
+        raw = raw[-count:]
+    lines = b"\n".join(raw).decode("utf-8", "replace").split("\n")
     return [line[:MAX_CONTEXT_LINE] for line in lines]
 
 

@@ -64,7 +64,7 @@ class Followed:
     last_growth: float = 0.0
     last_heartbeat: float = 0.0
     last_seen: tuple[int, int] = (-1, -1)
-    head: bytes | None = None  # the first head_len bytes, once known to match the identity
+    head: bytes | None = None  # the first bytes (up to HEAD_BYTES) as read; None until checked
 
 
 @dataclass(slots=True)
@@ -193,7 +193,6 @@ class Tailer:
         if start > 0:
             before = os.pread(fh.fileno(), min(start, TAIL_BYTES), start - min(start, TAIL_BYTES))
             scanner.prime(before)
-        fh.seek(start)
         now = self.clock()
         self.files.append(
             Followed(
@@ -267,15 +266,18 @@ class Tailer:
                 more = True
                 break
             try:
-                st = os.fstat(f.fh.fileno())
+                fd = f.fh.fileno()
+                st = os.fstat(fd)
                 if self._truncated(f, st):
                     events.extend(f.scanner.finish())
                     self._restart(f)
-                    st = os.fstat(f.fh.fileno())
+                    st = os.fstat(fd)
                 size = st.st_size
                 got = 0
                 while f.pos < size and budget > 0:
-                    data = f.fh.read(min(self.read_chunk, budget))
+                    # exactly what the stat showed, in one system call: a whole chunk would
+                    # allocate (and give back) a chunk-sized buffer for every small read
+                    data = os.pread(fd, min(self.read_chunk, budget, size - f.pos), f.pos)
                     if not data:
                         break
                     f.pos += len(data)
@@ -303,19 +305,28 @@ class Tailer:
 
     def _truncated(self, f: Followed, st: os.stat_result) -> bool:
         """Shrunk below the read position, or (copytruncate followed by fast regrowth, even to
-        the same size) the first bytes are no longer the ones the identity was made from."""
+        the same size) the first bytes are no longer the ones known. A file that was shorter
+        than HEAD_BYTES when it was opened has its known first bytes completed as it grows."""
         if st.st_size < f.pos:
             return True
         seen = (st.st_size, st.st_mtime_ns)
-        if seen == f.last_seen or not f.head_len or st.st_size < f.head_len:
+        if seen == f.last_seen:
             return False
         f.last_seen = seen
+        fd = f.fh.fileno()
         if f.head is None:  # resumed from a checkpoint: compare with the identity's hash once
-            if not identity_matches(f.identity, f.dev, f.ino, lambda n: os.pread(f.fh.fileno(), n, 0)):
+            if f.head_len and not identity_matches(f.identity, f.dev, f.ino, lambda n: os.pread(fd, n, 0)):
                 return True
-            f.head = os.pread(f.fh.fileno(), f.head_len, 0)
+            f.head = os.pread(fd, HEAD_BYTES, 0)
             return False
-        return os.pread(f.fh.fileno(), f.head_len, 0) != f.head
+        known = len(f.head)
+        if known >= HEAD_BYTES:
+            return os.pread(fd, known, 0) != f.head
+        head = os.pread(fd, HEAD_BYTES, 0)
+        if head[:known] != f.head:
+            return True
+        f.head = head
+        return False
 
     def _restart(self, f: Followed) -> None:
         self.stats.truncations += 1
@@ -326,7 +337,6 @@ class Tailer:
         f.last_seen = (-1, -1)
         f.scanner = self._line_scanner(dataclasses.replace(f.scanner.source, identity=f.identity))
         f.pos = 0
-        f.fh.seek(0)
         log.info("file truncated; reading it again from the start path=%s identity=%s", f.path, f.identity)
 
     def _close(self, f: Followed, events: list[Event], marks: list[Mark]) -> None:

@@ -1,0 +1,146 @@
+"""Tailer on real files (no broker): truncation detection and exact reads."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from denpex_agent.checkpoint import Checkpoints
+from denpex_agent.events import Event
+from denpex_agent.matcher import Matcher
+from denpex_agent.rules import load_rules
+from denpex_agent.tailer import HEAD_BYTES, Tailer
+
+MATCHER = Matcher(load_rules())
+ILLEGAL = "RuntimeError: CUDA error: an illegal memory access was encountered"
+
+
+@pytest.fixture
+def tailers() -> Iterator[list[Tailer]]:
+    made: list[Tailer] = []
+    yield made
+    for t in made:
+        t.close()
+
+
+def _tailer(tmp_path: Path, made: list[Tailer]) -> Tailer:
+    t = Tailer(
+        (str(tmp_path / "logs" / "rank*.log"),),
+        MATCHER,
+        Checkpoints(tmp_path / "state", "a"),
+        job="j",
+        node="n",
+        agent="a",
+        context_lines=5,
+        progress_interval=0.0,
+    )
+    made.append(t)
+    return t
+
+
+def _lines(prefix: str, n: int) -> str:
+    return "".join(
+        f"2026-11-29 12:00:{i % 60:02d},000 INFO {prefix} line {i:05d} of the log\n" for i in range(n)
+    )
+
+
+def _matches(events: list[Event]) -> list[Event]:
+    return [e for e in events if e.kind == "match"]
+
+
+def test_copytruncate_regrowing_past_the_position_is_noticed_for_a_file_that_started_empty(
+    tmp_path: Path, tailers: list[Tailer]
+) -> None:
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    path = logs / "rank0.log"
+    path.write_text("")
+    t = _tailer(tmp_path, tailers)
+    t.discover()
+    assert len(t.files) == 1 and t.files[0].pos == 0
+
+    path.write_text(_lines("old", 40) + ILLEGAL + " first\n")
+    events, _, _ = t.poll(1 << 20)
+    assert [e.line_no for e in _matches(events)] == [41]
+    old_size = path.stat().st_size
+
+    # copytruncate, then the writer goes on and the file is larger than before by the next look
+    shutil.copy(path, logs / "rank0.log.1")
+    with path.open("r+") as fh:
+        fh.truncate(0)
+    with path.open("a") as fh:
+        fh.write(_lines("new", 60) + ILLEGAL + " second\n")
+    assert path.stat().st_size > old_size
+    events, _, _ = t.poll(1 << 20)
+
+    assert t.stats.truncations == 1
+    got = _matches(events)
+    assert [(e.line_no, e.text.endswith("second")) for e in got] == [(61, True)]
+    assert t.files[0].pos == path.stat().st_size
+
+
+def test_known_first_bytes_grow_to_the_bound_and_stop(tmp_path: Path, tailers: list[Tailer]) -> None:
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    path = logs / "rank0.log"
+    path.write_text("short\n")
+    t = _tailer(tmp_path, tailers)
+    t.discover()
+    t.poll(1 << 20)
+    assert t.files[0].head == b"short\n"
+    with path.open("a") as fh:
+        fh.write(_lines("more", 20))
+    t.poll(1 << 20)
+    assert t.files[0].head == path.read_bytes()[:HEAD_BYTES]
+    assert t.stats.truncations == 0
+
+
+def test_a_file_resumed_from_a_checkpoint_then_rewritten_in_place_restarts(
+    tmp_path: Path, tailers: list[Tailer]
+) -> None:
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    path = logs / "rank0.log"
+    path.write_text(_lines("old", 30))
+    t = _tailer(tmp_path, tailers)
+    t.discover()
+    _, marks, _ = t.poll(1 << 20)
+    for m in marks:
+        t.checkpoints.advance(m.identity, m.path, m.offset, m.line_no)
+    t.checkpoints.write(t.checkpoints.snapshot() or b"")
+    t.close()
+
+    t2 = _tailer(tmp_path, tailers)
+    t2.checkpoints.load()
+    t2.discover()
+    assert t2.files[0].pos == path.stat().st_size  # resumed where the checkpoint said
+    # rewritten in place (same inode, as many bytes and more): only the first bytes tell
+    with path.open("r+") as fh:
+        fh.write(_lines("NEW", 30) + ILLEGAL + "\n")
+    events, _, _ = t2.poll(1 << 20)
+    assert t2.stats.truncations == 1
+    assert [e.line_no for e in _matches(events)] == [31]
+
+
+def test_reads_stop_at_the_size_seen_and_pick_up_the_rest(tmp_path: Path, tailers: list[Tailer]) -> None:
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    path = logs / "rank0.log"
+    path.write_text(_lines("a", 10))
+    t = _tailer(tmp_path, tailers)
+    t.discover()
+    t.poll(1 << 20)
+    size = path.stat().st_size
+    assert t.files[0].pos == size
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND)
+    try:
+        os.write(fd, (ILLEGAL + "\n").encode())
+    finally:
+        os.close(fd)
+    events, marks, more = t.poll(1 << 20)
+    assert not more and [e.line_no for e in _matches(events)] == [11]
+    assert marks[-1].offset == path.stat().st_size
