@@ -54,7 +54,7 @@ def _preference(rule: Rule) -> tuple[int, int]:
     return (-rule.severity_level, _ROLE_ORDER[rule.role])
 
 
-class _Database:
+class PatternDatabase:
     """One multi-pattern scanner over a list of (rule index, pattern, ignore_case).
 
     Compiling ~170 patterns (and probing each for the form hyperscan accepts) costs a few tenths
@@ -147,6 +147,18 @@ class _Database:
         except Exception as exc:  # read-only home, full disk: just compile next time
             log.debug("pattern database cache not written error=%s", exc)
 
+    def any_match(self, data: bytes) -> bool:
+        """Whether any pattern has a candidate match in ``data`` (stops at the first)."""
+        found = False
+
+        def stop(_rule: int, _end: int) -> bool:
+            nonlocal found
+            found = True
+            return True
+
+        self.scan(data, stop)
+        return found
+
     def scan(self, data: bytes, on_hit: Callable[[int, int], bool | None]) -> None:
         """Call ``on_hit(rule_index, end_offset)`` for candidate matches; a true return stops."""
         if self._db is not None:
@@ -163,6 +175,9 @@ class _Database:
             for m in rx.finditer(data):
                 if on_hit(rule_idx, max(m.end(), m.start() + 1)):
                     return
+
+
+HAVE_HYPERSCAN = _hs is not None
 
 
 def _cache_dir() -> Path:
@@ -190,8 +205,10 @@ class Matcher:
         self.progress_rules: list[Rule] = [r for r in rules if r.role == "progress"]
         self.max_line_chars = max_line_chars
         self._order = {r.id: i for i, r in enumerate(self.rules)}
-        self._db = _Database([(i, p, r.ignore_case) for i, r in enumerate(self.rules) for p in r.patterns])
-        self._progress_db = _Database(
+        self._db = PatternDatabase(
+            [(i, p, r.ignore_case) for i, r in enumerate(self.rules) for p in r.patterns]
+        )
+        self._progress_db = PatternDatabase(
             [(i, p, r.ignore_case) for i, r in enumerate(self.progress_rules) for p in r.patterns]
         )
         if _hs is None:
