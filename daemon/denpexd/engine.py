@@ -175,6 +175,9 @@ class Engine:
         local-rank map and the order in which rank tracks appear) is left to `place(ev)`, which
         the caller runs at the event's original position; the end state is then the same as if
         every event had been added in arrival order."""
+        if place and ev.kind == "progress":
+            self.add_progress(ev)
+            return
         self.events_seen += 1
         self._seq += 1
         if place and ev.rank is not None and ev.local_rank is not None:
@@ -187,9 +190,7 @@ class Engine:
                 self.agent_offsets[ev.node] = (-float(off), float(unc))
             return
         if ev.kind == "progress":
-            step = ev.fields.get("step")
-            if isinstance(step, int):
-                self._track(ev.node, ev.rank).add(step, ev.ts, ev)
+            self._add_step(ev)
             return
         if ev.rule is None:
             return
@@ -211,6 +212,22 @@ class Engine:
             agg.last_ts = ev.ts
         if ev.ts is not None and (agg.first.ts is None or ev.ts < agg.first.ts):
             agg.first, agg.seq = ev, self._seq
+
+    def add_progress(self, ev: Event) -> None:
+        """`add(ev)` for an event known to be of kind "progress" (the bulk of live traffic)."""
+        self.events_seen += 1
+        self._seq += 1
+        if ev.rank is not None and ev.local_rank is not None:
+            self.local_ranks[(ev.node, ev.local_rank)] = ev.rank
+        self._add_step(ev)
+
+    def _add_step(self, ev: Event) -> None:
+        step = ev.fields.get("step")
+        if isinstance(step, int):
+            track = self.tracks.get((ev.node, ev.rank))
+            if track is None:
+                track = self._track(ev.node, ev.rank)
+            track.add(step, ev.ts, ev)
 
     def place(self, ev: Event) -> None:
         """The order-dependent part of `add(ev, place=False)`, run at the event's arrival position."""

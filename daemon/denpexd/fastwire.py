@@ -27,6 +27,9 @@ _SEVERITIES = frozenset(SEVERITIES)
 _ROLES = frozenset(ROLES)
 _CATEGORIES = frozenset((*CATEGORIES, PROGRESS_CATEGORY))
 _INT_MAX = 1 << 31
+_NKEYS = len(_KEYS)
+_MAX_ID, _MAX_TEXT, _MAX_FIELDS = wire.MAX_ID_LEN, wire.MAX_TEXT, wire.MAX_FIELDS
+_MAX_CONTEXT = wire.MAX_CONTEXT_LINES
 _isfinite = math.isfinite
 
 
@@ -63,69 +66,76 @@ def _fast(payload: bytes, topic_job: str | None) -> wire.Batch | None:
     raw = doc.get("events")
     if type(raw) is not list or len(raw) > wire.MAX_EVENTS:
         return None
-    events = []
-    for e in raw:
-        ev = _event(job, node, e)
-        if ev is None:
-            return None
-        events.append(ev)
+    try:
+        events = [_event(job, node, e) for e in raw]
+    except _Reject:
+        return None
     return wire.Batch(agent=agent, job=job, node=node, sent_at=float(sent_at), seq=seq, events=events)
 
 
-def _event(job: str, node: str, e: Any) -> Event | None:
-    if type(e) is not dict or e.keys() != _KEYS:
-        return None
-    eid = e["id"]
-    if type(eid) is not str or not 1 <= len(eid) <= wire.MAX_ID_LEN:
-        return None
-    kind = e["kind"]
-    if type(kind) is not str or kind not in _KINDS:
-        return None
-    ts = e["ts"]
+class _Reject(Exception):
+    """An event the fast path does not vouch for: `wire.decode_batch` decides."""
+
+
+def _event(job: str, node: str, e: Any) -> Event:
+    # exactly the wire keys: as many keys as expected, and each expected one present
+    if type(e) is not dict or len(e) != _NKEYS:
+        raise _Reject
+    try:
+        eid, kind, rank, local_rank = e["id"], e["kind"], e["rank"], e["local_rank"]
+        file, offset, line_no, ts, ts_source = e["file"], e["offset"], e["line_no"], e["ts"], e["ts_source"]
+        rule, severity, role, category = e["rule"], e["severity"], e["role"], e["category"]
+        text, context, fields = e["text"], e["context"], e["fields"]
+    except KeyError:
+        raise _Reject from None
+    # JSON gives str, int, float, bool, None, list, dict: a value in a set of strings is a str,
+    # and a list or dict is checked by type before any membership test (unhashable)
+    if (
+        type(eid) is not str
+        or not 0 < len(eid) <= _MAX_ID
+        or type(kind) is not str
+        or kind not in _KINDS
+        or type(ts_source) is not str
+        or ts_source not in _TS_SOURCES
+        or type(text) is not str
+        or len(text) > _MAX_TEXT
+        or type(file) is not str
+        or len(file) > 4096
+        or type(offset) is not int
+        or offset < 0
+        or type(line_no) is not int
+        or line_no < 0
+        or type(fields) is not dict
+        or len(fields) > _MAX_FIELDS
+        or type(context) is not list
+    ):
+        raise _Reject
     if ts is not None:
         if type(ts) is float:
             if not _isfinite(ts):
-                return None
+                raise _Reject
         elif type(ts) is int:
             ts = float(ts)
         else:
-            return None
-    ts_source = e["ts_source"]
-    if type(ts_source) is not str or ts_source not in _TS_SOURCES:
-        return None
-    severity, role, category = e["severity"], e["role"], e["category"]
+            raise _Reject
     if severity is not None and (type(severity) is not str or severity not in _SEVERITIES):
-        return None
+        raise _Reject
     if role is not None and (type(role) is not str or role not in _ROLES):
-        return None
+        raise _Reject
     if category is not None and (type(category) is not str or category not in _CATEGORIES):
-        return None
-    text = e["text"]
-    if type(text) is not str or len(text) > wire.MAX_TEXT:
-        return None
-    context = e["context"]
-    if type(context) is not list or len(context) > wire.MAX_CONTEXT_LINES:
-        return None
-    for c in context:
-        if type(c) is not str or len(c) > wire.MAX_TEXT:
-            return None
-    fields = e["fields"]
-    if type(fields) is not dict or len(fields) > wire.MAX_FIELDS:
-        return None
-    file = e["file"]
-    if type(file) is not str or len(file) > 4096:
-        return None
-    rule = e["rule"]
+        raise _Reject
     if rule is not None and (type(rule) is not str or len(rule) > 64):
-        return None
-    offset, line_no = e["offset"], e["line_no"]
-    if type(offset) is not int or offset < 0 or type(line_no) is not int or line_no < 0:
-        return None
-    rank, local_rank = e["rank"], e["local_rank"]
+        raise _Reject
     if rank is not None and (type(rank) is not int or not -1 <= rank < _INT_MAX):
-        return None
+        raise _Reject
     if local_rank is not None and (type(local_rank) is not int or not -1 <= local_rank < _INT_MAX):
-        return None
+        raise _Reject
+    if context:
+        if len(context) > _MAX_CONTEXT:
+            raise _Reject
+        for c in context:
+            if type(c) is not str or len(c) > _MAX_TEXT:
+                raise _Reject
     # orjson built `context` and `fields` for this batch alone: no copy needed
     return Event(
         eid, kind, job, node, rank, local_rank, file, offset, line_no, ts, ts_source,

@@ -23,6 +23,7 @@ from typing import Any, Protocol
 import orjson
 
 from denpex_agent import wire
+from denpex_agent.events import Event
 from denpex_agent.rules import RuleSet
 from denpexd.alerts import Alerter
 from denpexd.config import ServeConfig
@@ -62,6 +63,8 @@ class JobState:
 
 
 class JobTable:
+    progress_shortcut = True  # `_process_progress` for batches of progress events alone
+
     def __init__(
         self,
         cfg: ServeConfig,
@@ -222,6 +225,15 @@ class JobTable:
     async def _process(
         self, state: JobState, batch: wire.Batch, ack: Ack, received: float, payload: bytes | None
     ) -> None:
+        events = batch.events
+        if (
+            self.progress_shortcut
+            and events
+            and not state.hoisted
+            and all(ev.kind == "progress" for ev in events)
+        ):
+            await self._process_progress(state, batch, ack, payload)
+            return
         seen, engine, limit, hoisted = state.seen, state.engine, self.cfg.dedup_ids_per_job, state.hoisted
         failing, candidates = engine.failing_aggs, engine.candidate_aggs
         kinds: Counter[str] = Counter()
@@ -268,6 +280,43 @@ class JobTable:
             self.metrics.ingest_lag.observe(max(0.0, wall - newest))
         if kinds:
             await self._changed(state, failing, candidates)
+        await self.writer.add(rows, state.job, state.first_seen, wall, ack)
+
+    async def _process_progress(
+        self, state: JobState, batch: wire.Batch, ack: Ack, payload: bytes | None
+    ) -> None:
+        """`_process` for a batch of progress events alone (the bulk of the traffic): the same
+        outcome, without the per-event branching on kinds and rules."""
+        seen, add, limit = state.seen, state.engine.add_progress, self.cfg.dedup_ids_per_job
+        accepted: list[Event] = []
+        newest: float | None = None
+        for ev in batch.events:
+            eid = ev.id
+            if eid in seen:
+                continue
+            seen[eid] = None
+            if len(seen) > limit:
+                seen.popitem(last=False)
+            add(ev)
+            accepted.append(ev)
+            ts = ev.ts
+            if ts is not None and (newest is None or ts > newest):
+                newest = ts
+        wall = self._wall()
+        state.last_seen = wall
+        n, dups = len(accepted), len(batch.events) - len(accepted)
+        if payload is not None and not dups:
+            rows = [progress_batch_row(batch, payload, wall)]
+        else:
+            rows = [event_row(ev, wall) for ev in accepted]
+        if n:
+            self.metrics.ingested({"progress": n})
+            self.metrics.nan_events.labels(state.job, "info").inc(n)
+            self._mark_dirty(state)  # no rule event: the debounce applies
+        if dups:
+            self.metrics.duplicates({"progress": dups})
+        if newest is not None:
+            self.metrics.ingest_lag.observe(max(0.0, wall - newest))
         await self.writer.add(rows, state.job, state.first_seen, wall, ack)
 
     def _mark_dirty(self, state: JobState) -> None:
