@@ -40,6 +40,7 @@ class ServeConfig:
     job_queue_batches: int = 64
     dedup_ids_per_job: int = 200_000
     debounce_s: float = 0.2
+    progress_debounce_s: float = 1.0  # re-diagnosis when only progress/heartbeats arrived
     retention_days: float = 14.0
     alertmanager: str | None = None
     alert_repeat_s: float = 60.0
@@ -113,7 +114,10 @@ def _validate(cfg: ServeConfig) -> ServeConfig:
     for key in ("max_open_jobs", "job_queue_batches", "dedup_ids_per_job", "session_expiry_s"):
         if getattr(cfg, key) < 1:
             raise ConfigError(key, "must be >= 1")
-    for key in ("job_idle_close_s", "debounce_s", "retention_days", "alert_repeat_s", "shutdown_timeout_s"):
+    for key in (
+        "job_idle_close_s", "debounce_s", "progress_debounce_s", "retention_days", "alert_repeat_s",
+        "shutdown_timeout_s",
+    ):  # fmt: skip
         if getattr(cfg, key) <= 0:
             raise ConfigError(key, "must be > 0")
     if cfg.log_level.lower() not in ("debug", "info", "warning", "error"):

@@ -3,7 +3,9 @@
 Batches wait in a bounded queue per job (ingest waits when it is full); one worker drains the
 jobs round-robin: duplicates are dropped by event id (bounded LRU per job), events go to the
 engine and to the store (match events may have reached the engine earlier through `hoist`). A
-diagnosis task recomputes dirty jobs at most every `debounce_s` (a job whose verdict may turn
+diagnosis task recomputes dirty jobs at most every `debounce_s` (`progress_debounce_s` when
+only progress and heartbeats arrived since the last diagnosis: on a large job a diagnosis costs
+tens of milliseconds, and steady progress changes it slowly; a job whose verdict may turn
 "failed", or whose initiator may move, is diagnosed at once instead), publishes the result
 retained on `denpex/v1/jobs/<job>/diagnosis`, updates the per-job metrics, lets the alerter
 decide and stores it. Jobs idle for `job_idle_close_s` are closed; when
@@ -52,6 +54,7 @@ class JobState:
     room: asyncio.Event = field(default_factory=asyncio.Event)
     scheduled: bool = False
     dirty_since: float | None = None
+    dirty_by_rule: bool = False  # besides progress and heartbeats, something else changed
     last_diagnosis_at: float = 0.0
     diagnosis_cost: float = 0.0
     diagnosis: dict[str, Any] | None = None
@@ -171,7 +174,9 @@ class JobTable:
         if fed:
             await self._changed(state, failing, candidates)
 
-    async def _changed(self, state: JobState, failing: int, candidates: int) -> None:
+    async def _changed(
+        self, state: JobState, failing: int, candidates: int, *, progress_only: bool = False
+    ) -> None:
         """The engine took new rule events: diagnose now when the verdict may turn "failed" or the
         initiator may move (at most every 4 diagnosis costs); otherwise the debounce applies."""
         engine = state.engine
@@ -182,7 +187,7 @@ class JobTable:
         if urgent and self._mono() >= state.last_diagnosis_at + 4 * state.diagnosis_cost:
             await self.diagnose(state)
         else:
-            self._mark_dirty(state)
+            self._mark_dirty(state, progress_only=progress_only)
 
     def agent_status(self, job: str, agent: str, node: str, state: str) -> None:
         per_job = self.agents.setdefault(job, {})
@@ -279,7 +284,8 @@ class JobTable:
         if newest is not None:
             self.metrics.ingest_lag.observe(max(0.0, wall - newest))
         if kinds:
-            await self._changed(state, failing, candidates)
+            slow = kinds.keys() <= {"progress", "heartbeat"}
+            await self._changed(state, failing, candidates, progress_only=slow)
         await self.writer.add(rows, state.job, state.first_seen, wall, ack)
 
     async def _process_progress(
@@ -312,26 +318,32 @@ class JobTable:
         if n:
             self.metrics.ingested({"progress": n})
             self.metrics.nan_events.labels(state.job, "info").inc(n)
-            self._mark_dirty(state)  # no rule event: the debounce applies
+            self._mark_dirty(state, progress_only=True)
         if dups:
             self.metrics.duplicates({"progress": dups})
         if newest is not None:
             self.metrics.ingest_lag.observe(max(0.0, wall - newest))
         await self.writer.add(rows, state.job, state.first_seen, wall, ack)
 
-    def _mark_dirty(self, state: JobState) -> None:
+    def _mark_dirty(self, state: JobState, *, progress_only: bool = False) -> None:
+        wake = False
+        if not progress_only and not state.dirty_by_rule:
+            state.dirty_by_rule = True
+            wake = True  # due after `debounce_s` now: the diagnoser recomputes its deadline
         if state.dirty_since is None:
             state.dirty_since = self._mono()
-            if not self._dirty_jobs:
-                self._dirty.set()  # the diagnoser sleeps without a deadline only when nothing is dirty
+            wake = wake or not self._dirty_jobs  # the diagnoser may be sleeping without a deadline
             self._dirty_jobs[state.job] = state
+        if wake:
+            self._dirty.set()
 
     # -- diagnoses ----------------------------------------------------------------------------------
 
     def _due(self, state: JobState) -> float:
         assert state.dirty_since is not None
-        min_gap = max(self.cfg.debounce_s, 4 * state.diagnosis_cost)
-        return max(state.dirty_since + self.cfg.debounce_s, state.last_diagnosis_at + min_gap)
+        debounce = self.cfg.debounce_s if state.dirty_by_rule else self.cfg.progress_debounce_s
+        min_gap = max(debounce, 4 * state.diagnosis_cost)
+        return max(state.dirty_since + debounce, state.last_diagnosis_at + min_gap)
 
     async def run_diagnoser(self) -> None:
         while True:
@@ -360,6 +372,7 @@ class JobTable:
 
     async def diagnose(self, state: JobState) -> dict[str, Any]:
         state.dirty_since = None
+        state.dirty_by_rule = False
         self._dirty_jobs.pop(state.job, None)
         t0 = time.perf_counter()
         doc = state.engine.diagnose()

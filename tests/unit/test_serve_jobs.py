@@ -118,3 +118,35 @@ async def test_progress_shortcut_matches_the_general_path(
     general = await _run(tmp_path / "b", library, batches, shortcut=False)
     assert fast["metrics"]["denpex_ingest_events_duplicate_total"]  # re-sends were dropped
     assert fast == general
+
+
+@pytest.mark.asyncio
+async def test_progress_alone_is_rediagnosed_after_the_longer_debounce(
+    tmp_path: Path, library: RuleSet
+) -> None:
+    now = [100.0]
+    metrics = Metrics(CollectorRegistry())
+    cfg = ServeConfig(debounce_s=0.2, progress_debounce_s=1.0)
+    async with Store(tmp_path / "denpex.db") as store:
+        table = JobTable(
+            cfg,
+            library,
+            store,
+            metrics,
+            Alerter(store, metrics, [], generator="test"),
+            monotonic=lambda: now[0],
+        )
+        writer = asyncio.create_task(table.writer.run())
+        batch = _batches(1)[0]
+        state = table._open("job-1")
+        await table._process(state, batch, lambda: None, now[0], None)
+        assert state.dirty_since == 100.0 and not state.dirty_by_rule
+        assert table._due(state) == pytest.approx(101.0)
+        table._dirty.clear()
+        now[0] = 100.1
+        table._mark_dirty(state)  # a rule event or an agent's status: the short debounce
+        assert table._dirty.is_set()  # the diagnoser recomputes its deadline
+        assert table._due(state) == pytest.approx(100.2)
+        await table.diagnose(state)
+        assert state.dirty_since is None and not state.dirty_by_rule
+        writer.cancel()
