@@ -175,11 +175,17 @@ async def test_hostile_files_are_warned_about_and_the_rest_is_served(tmp_path: P
         for _ in range(100):
             fh.write(chunk)
         fh.write(f"\n{OOM}\n".encode())
+    unreadable = logs / "rank5.log"
+    unreadable.write_text(f"{OOM}\n")
+    unreadable.chmod(0)
     port = free_port()
     cmd = agent_cmd(
         job, "n1", [str(logs / "rank*.log"), str(tmp_path / "absent" / "*.log")], tmp_path / "state"
     )
     cmd += ["--metrics-listen", f"127.0.0.1:{port}"]
+    if os.geteuid() == 0:  # root reads anything: drop the capabilities that bypass file modes
+        caps = "-dac_override,-dac_read_search"
+        cmd = ["setpriv", f"--inh-caps={caps}", f"--bounding-set={caps}", *cmd]
     async with collector(job) as got:
         proc = start_agent(cmd, tmp_path / "agent.log")
         try:
@@ -195,11 +201,14 @@ async def test_hostile_files_are_warned_about_and_the_rest_is_served(tmp_path: P
     assert 'denpex_agent_warnings_total{reason="not-a-file"}' in metrics
     assert 'denpex_agent_warnings_total{reason="stat-failed"}' in metrics
     assert 'denpex_agent_warnings_total{reason="glob-empty"}' in metrics
+    assert 'denpex_agent_warnings_total{reason="open-failed"}' in metrics
+    assert not any(e.rank == 5 for e in got.events("match"))
     assert "denpex_agent_lines_truncated_total 1.0" in metrics
     assert "denpex_agent_batches_published_total" in metrics
     assert re.search(r"^denpex_agent_read_lag_bytes [0-9.e+]+$", metrics, re.M)
     log = (tmp_path / "agent.log").read_text()
     assert "rank2.log" in log and "rank3.log" in log and "absent" in log
+    assert re.search(r"cannot open \(Permission denied\) path=\S*rank5\.log", log)
 
 
 def test_configuration_precedence_and_errors(tmp_path: Path) -> None:
