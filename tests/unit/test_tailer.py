@@ -52,15 +52,21 @@ def _matches(events: list[Event]) -> list[Event]:
     return [e for e in events if e.kind == "match"]
 
 
+def _one_file(tmp_path: Path, tailers: list[Tailer], text: str) -> tuple[Path, Tailer]:
+    """logs/rank0.log holding ``text``, and a tailer that has discovered it."""
+    logs = tmp_path / "logs"
+    logs.mkdir(exist_ok=True)
+    path = logs / "rank0.log"
+    path.write_text(text)
+    t = _tailer(tmp_path, tailers)
+    t.discover()
+    return path, t
+
+
 def test_copytruncate_regrowing_past_the_position_is_noticed_for_a_file_that_started_empty(
     tmp_path: Path, tailers: list[Tailer]
 ) -> None:
-    logs = tmp_path / "logs"
-    logs.mkdir()
-    path = logs / "rank0.log"
-    path.write_text("")
-    t = _tailer(tmp_path, tailers)
-    t.discover()
+    path, t = _one_file(tmp_path, tailers, "")
     assert len(t.files) == 1 and t.files[0].pos == 0
 
     path.write_text(_lines("old", 40) + ILLEGAL + " first\n")
@@ -69,7 +75,7 @@ def test_copytruncate_regrowing_past_the_position_is_noticed_for_a_file_that_sta
     old_size = path.stat().st_size
 
     # copytruncate, then the writer goes on and the file is larger than before by the next look
-    shutil.copy(path, logs / "rank0.log.1")
+    shutil.copy(path, path.with_name("rank0.log.1"))
     with path.open("r+") as fh:
         fh.truncate(0)
     with path.open("a") as fh:
@@ -84,12 +90,7 @@ def test_copytruncate_regrowing_past_the_position_is_noticed_for_a_file_that_sta
 
 
 def test_known_first_bytes_grow_to_the_bound_and_stop(tmp_path: Path, tailers: list[Tailer]) -> None:
-    logs = tmp_path / "logs"
-    logs.mkdir()
-    path = logs / "rank0.log"
-    path.write_text("short\n")
-    t = _tailer(tmp_path, tailers)
-    t.discover()
+    path, t = _one_file(tmp_path, tailers, "short\n")
     t.poll(1 << 20)
     assert t.files[0].head == b"short\n"
     with path.open("a") as fh:
@@ -102,12 +103,7 @@ def test_known_first_bytes_grow_to_the_bound_and_stop(tmp_path: Path, tailers: l
 def test_a_file_resumed_from_a_checkpoint_then_rewritten_in_place_restarts(
     tmp_path: Path, tailers: list[Tailer]
 ) -> None:
-    logs = tmp_path / "logs"
-    logs.mkdir()
-    path = logs / "rank0.log"
-    path.write_text(_lines("old", 30))
-    t = _tailer(tmp_path, tailers)
-    t.discover()
+    path, t = _one_file(tmp_path, tailers, _lines("old", 30))
     _, marks, _ = t.poll(1 << 20)
     for m in marks:
         t.checkpoints.advance(m.identity, m.path, m.offset, m.line_no)
@@ -127,12 +123,7 @@ def test_a_file_resumed_from_a_checkpoint_then_rewritten_in_place_restarts(
 
 
 def test_reads_stop_at_the_size_seen_and_pick_up_the_rest(tmp_path: Path, tailers: list[Tailer]) -> None:
-    logs = tmp_path / "logs"
-    logs.mkdir()
-    path = logs / "rank0.log"
-    path.write_text(_lines("a", 10))
-    t = _tailer(tmp_path, tailers)
-    t.discover()
+    path, t = _one_file(tmp_path, tailers, _lines("a", 10))
     t.poll(1 << 20)
     size = path.stat().st_size
     assert t.files[0].pos == size
