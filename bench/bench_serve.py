@@ -7,7 +7,10 @@ so that the broker's defaults (20 messages in flight, 1,000 queued) are not what
 
 Phase 1 (throughput): every rank publishes progress events for STEPS steps as fast as the
 publishers can, batched per node as agents do; the daemon's CPU seconds come from
-/proc/<pid>/stat, so events per CPU second is its sustained rate on one core.
+/proc/<pid>/stat, so events per CPU second is its sustained rate on one core. Baseline in the
+same run: the reference validator (`wire.decode_batch`) alone on the same kind of batch, timed
+in this process just before and just after phase 1 (`reference_events_per_cpu_s`); the ratio
+of the two says how the daemon did independently of how fast the shared machine was just then.
 Phase 2 (latency): TRIALS fresh jobs of 4,096 ranks each get a few steps of progress (a burst of
 5 x 4,096 events), then, right behind that burst, a failure cascade: one rank's CUDA OOM (root
 cause) followed by collateral on every other rank. Latency = from publishing the initiating line
@@ -126,6 +129,20 @@ async def _wait_ingested(url: str, base: float, sent: int) -> None:
             raise RuntimeError(f"daemon stalled: {got:.0f} of {sent} events ingested")
 
 
+def reference_rate(seconds: float = 1.0) -> float:
+    """Events per CPU second of the reference validator (`wire.decode_batch`) on phase 1's
+    batches, in this process: the same-script baseline that tells how fast the machine is just
+    now (on a shared machine the same code varies by 1.5-2x from hour to hour)."""
+    evs = [progress("job-ref", "n000", r, r % 8, s, 1.8e9 + s * 0.5) for s in range(5) for r in range(8)]
+    payload = wire.encode_batch("n000-agent", "job-ref", "n000", 1, time.time(), evs)
+    n, c0 = 0, time.process_time()
+    while time.process_time() - c0 < seconds:
+        for _ in range(50):
+            wire.decode_batch(payload, topic_job="job-ref")
+        n += 50 * len(evs)
+    return n / (time.process_time() - c0)
+
+
 def progress(job: str, node: str, rank: int, local: int, step: int, ts: float) -> Event:
     return Event(
         id=f"{node}-{rank}-p{step}", kind="progress", job=job, node=node, rank=rank, local_rank=local,
@@ -210,6 +227,7 @@ async def run_with(args: argparse.Namespace, broker: tuple[str, int]) -> dict[st
                     )
                 )
             # Phase 1: sustained throughput
+            ref_before = reference_rate()
             job = f"bench-{uuid.uuid4().hex[:6]}"
             base = _metric(url, "denpex_ingest_events_total")
             cpu0, w0 = _cpu_s(proc.pid), time.perf_counter()
@@ -218,9 +236,12 @@ async def run_with(args: argparse.Namespace, broker: tuple[str, int]) -> dict[st
                 sent += await fleet.publish_steps(job, range(chunk, min(chunk + 5, args.steps)), 1.8e9)
             await _wait_ingested(url, base, sent)
             cpu, wall = _cpu_s(proc.pid) - cpu0, time.perf_counter() - w0
+            ref = (ref_before + reference_rate()) / 2
             out["throughput"] = {
                 "events": sent, "wall_s": round(wall, 2), "daemon_cpu_s": round(cpu, 2),
                 "events_per_cpu_s": round(sent / cpu), "events_per_wall_s": round(sent / wall),
+                # baseline: the reference validator alone, before and after phase 1, and the ratio
+                "reference_events_per_cpu_s": round(ref), "ratio_to_reference": round(sent / cpu / ref, 3),
             }  # fmt: skip
             out["rss_mb_after_throughput"] = round(_rss_mb(proc.pid))
             # Phase 2: failure cascades
