@@ -53,6 +53,7 @@ _SOCKET_OPTIONS = ((socket.IPPROTO_TCP, socket.TCP_NODELAY, 1),)
 
 URGENT_SCAN_JOBS = 8
 READ_AHEAD_PACKETS = 64  # at most, per validated message
+YIELD_EVERY = 8  # validated messages between turns given to the other tasks
 BACKLOG_MAX = 2 * RECEIVE_MAXIMUM  # received, not yet validated messages (bounds memory)
 # A batch that may carry a match event is validated (and its matches hoisted) first. A JSON
 # string "match" is spelled with these bytes unless escaped with \u: no match event is missed,
@@ -238,6 +239,7 @@ class Ingest:
 
     async def _validate(self) -> None:
         backlog, urgent = self._backlog, self._urgent
+        turns = 0
         while True:
             if urgent:
                 entry = self._next_urgent()
@@ -266,7 +268,20 @@ class Ingest:
                 continue
             if len(backlog) < BACKLOG_MAX and not self._draining:
                 self._read_ahead()
-            await asyncio.sleep(0)  # let `_consume` take what was read: it may be urgent
+                self._take_queued()  # what was read may be urgent: look at it now
+            turns += 1
+            if turns % YIELD_EVERY == 0:
+                await asyncio.sleep(0)  # the worker, the diagnoser and the HTTP API get a turn
+
+    def _take_queued(self) -> None:
+        """Move what aiomqtt's queue holds into the backlog (as `_consume` does, without waiting
+        for its task to be scheduled)."""
+        client = self._client
+        if client is None:
+            return
+        queue = client._queue
+        while queue.qsize() and len(self._backlog) < BACKLOG_MAX:
+            self._take(client, queue.get_nowait())
 
     def _read_ahead(self) -> None:
         """Read the deliveries already in the socket now. The event loop's reader callback has
