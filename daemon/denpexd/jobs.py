@@ -15,6 +15,7 @@ decide and stores it. Jobs idle for `job_idle_close_s` are closed; when
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 from collections import Counter, OrderedDict, deque
@@ -37,6 +38,38 @@ from denpexd.store import EventWriter, Store, event_row, progress_batch_row
 log = logging.getLogger(__name__)
 
 MAX_AGENT_JOBS = 100_000  # jobs whose agents' statuses are remembered
+# The retained diagnosis on MQTT stays below what brokers take by default (EMQX 1 MB, our
+# deploy/broker Mosquitto 1 MiB; a larger packet gets the daemon disconnected). A job with
+# thousands of ranks in its collateral and rank table exceeds it: its MQTT copy carries the first
+# entries of its long lists and says so; the HTTP API and the store keep the whole document.
+MAX_DIAGNOSIS_BYTES = 900 * 1024
+_WHOLE = ("job", "verdict", "initiator", "root_cause", "evidence", "fingerprints", "truncated")
+
+
+def diagnosis_payload(doc: dict[str, Any], limit: int = MAX_DIAGNOSIS_BYTES) -> bytes:
+    """The diagnosis as published on MQTT: the document itself when it fits in ``limit`` bytes,
+    else a copy whose long lists and maps keep their first entries, with ``"truncated"`` giving
+    each one's full length and where the whole document is."""
+    data = orjson.dumps(doc, option=orjson.OPT_NON_STR_KEYS)
+    keep = 512
+    while len(data) > limit and keep >= 0:
+        short: dict[str, Any] = {}
+        counts: dict[str, int] = {}
+        for key, value in doc.items():
+            if key not in _WHOLE and isinstance(value, (list, dict)) and len(value) > keep:
+                counts[key] = len(value)
+                value = (
+                    value[:keep] if isinstance(value, list) else dict(itertools.islice(value.items(), keep))
+                )
+            short[key] = value
+        short["truncated"] = {"counts": counts, "whole": f"/api/v1/jobs/{doc.get('job')}"}
+        data = orjson.dumps(short, option=orjson.OPT_NON_STR_KEYS)
+        keep = keep // 4 if keep else -1
+    if len(data) > limit:
+        log.warning(
+            "diagnosis larger than the MQTT limit even shortened job=%s bytes=%d", doc.get("job"), len(data)
+        )
+    return data
 
 
 class Bus(Protocol):
@@ -385,11 +418,7 @@ class JobTable:
         state.diagnosis = doc
         self._export(state, doc)
         if self.bus is not None:
-            await self.bus.publish(
-                wire.diagnosis_topic(state.job),
-                orjson.dumps(doc, option=orjson.OPT_NON_STR_KEYS),
-                retain=True,
-            )
+            await self.bus.publish(wire.diagnosis_topic(state.job), diagnosis_payload(doc), retain=True)
         # the alert first: storing the diagnosis may wait behind a commit of events
         await self.alerter.on_diagnosis(state.job, doc)
         await self.store.save_diagnosis(state.job, doc)
@@ -453,9 +482,7 @@ class JobTable:
         doc["open"] = False
         await self.store.save_diagnosis(job, doc)
         if self.bus is not None:
-            await self.bus.publish(
-                wire.diagnosis_topic(job), orjson.dumps(doc, option=orjson.OPT_NON_STR_KEYS), retain=True
-            )
+            await self.bus.publish(wire.diagnosis_topic(job), diagnosis_payload(doc), retain=True)
         if self.jobs.get(job) is state:
             del self.jobs[job]
         await self.store.close_job(job, self._wall())
