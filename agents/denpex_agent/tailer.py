@@ -319,11 +319,8 @@ class Tailer:
                 return True
             f.head = os.pread(fd, HEAD_BYTES, 0)
             return False
-        known = len(f.head)
-        if known >= HEAD_BYTES:
-            return os.pread(fd, known, 0) != f.head
         head = os.pread(fd, HEAD_BYTES, 0)
-        if head[:known] != f.head:
+        if head[: len(f.head)] != f.head:
             return True
         f.head = head
         return False

@@ -268,17 +268,14 @@ class Ingest:
                 continue
             if len(backlog) < BACKLOG_MAX and not self._draining:
                 self._read_ahead()
-                self._take_queued()  # what was read may be urgent: look at it now
+                if self._client is not None:
+                    self._take_queued(self._client)  # what was read may be urgent: look at it now
             turns += 1
             if turns % YIELD_EVERY == 0:
                 await asyncio.sleep(0)  # the worker, the diagnoser and the HTTP API get a turn
 
-    def _take_queued(self) -> None:
-        """Move what aiomqtt's queue holds into the backlog (as `_consume` does, without waiting
-        for its task to be scheduled)."""
-        client = self._client
-        if client is None:
-            return
+    def _take_queued(self, client: aiomqtt.Client) -> None:
+        """Move what aiomqtt's queue holds (whatever paho has read already) into the backlog."""
         queue = client._queue
         while queue.qsize() and len(self._backlog) < BACKLOG_MAX:
             self._take(client, queue.get_nowait())
@@ -315,13 +312,11 @@ class Ingest:
                     delay = min(delay * 2, RECONNECT_MAX_S)
                 continue
             try:
-                queue = client._queue  # aiomqtt's: whatever paho has read already
                 async for message in client.messages:
                     self._take(client, message)
                     # the iterator costs a task and an `asyncio.wait` per message: take the rest
                     # directly, so a batch behind them is seen (and possibly hoisted) now
-                    while queue.qsize() and len(self._backlog) < BACKLOG_MAX:
-                        self._take(client, queue.get_nowait())
+                    self._take_queued(client)
                     if len(self._backlog) >= BACKLOG_MAX:
                         self._room.clear()
                         await self._room.wait()
