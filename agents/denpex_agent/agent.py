@@ -1,17 +1,22 @@
 """The running agent: tail → match → batch → publish (QoS 1) → checkpoint, plus clock and heartbeats.
 
-Tasks (one `asyncio.TaskGroup`):
+Reading runs in its own thread (``denpex-read``): discovery and `Tailer.poll`, the resulting
+events and marks handed to the event loop within a bounded in-flight budget (when the broker is
+away the budget fills and reading pauses: the log files are the buffer, memory stays bounded).
+Whatever the reader is doing (a huge catch-up, a pathological line), the event loop stays free:
 
-* ``read``: discovery and `Tailer.poll` in a worker thread, the resulting events and marks into a
-  bounded in-flight budget (when the broker is away the budget fills and reading pauses: the log
-  files are the buffer, memory stays bounded);
 * ``send``: batches by size and delay, `Publisher.publish` (returns after PUBACK), then the marks
   advance the checkpoints, which are written (tmp → fsync → rename) at most every
   ``checkpoint_interval`` and at shutdown;
+* ``watch``: heartbeats every ``heartbeat_interval`` (from the reader's last view of its files,
+  plus how long its current scan has been running), and a warning and a counter when one scan
+  runs longer than ``slow_scan_warning``;
 * ``clock``: NTP-style requests; replies arrive through the publisher's callback.
 
 Stop: `request_stop()` (SIGTERM/SIGINT) ends reading, flushes what was read within
-``shutdown_timeout``, writes the checkpoints and says ``offline``.
+``shutdown_timeout``, writes the checkpoints and says ``offline``. A reader that does not finish
+its scan in time is left behind (a daemon thread): the stop is bounded whatever it is doing, and
+what it had not handed over is read again at the next start.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -41,7 +47,6 @@ from denpex_agent.tailer import Mark, Tailer
 log = logging.getLogger(__name__)
 
 CLOCK_SAMPLES = 8
-SMALL_POLL_BYTES = 256 * 1024  # steady-state reads at most this large run on the event loop
 
 
 @dataclass(slots=True)
@@ -71,6 +76,20 @@ def _split(events: list[Event], max_bytes: int) -> list[list[Event]]:
     return parts
 
 
+@dataclass(frozen=True, slots=True)
+class _FileView:
+    """What a heartbeat says about one followed file, as the reader last saw it."""
+
+    path: str
+    identity: str
+    rank: int | None
+    local_rank: int | None
+    pos: int
+    line_no: int
+    last_ts: float | None
+    lag: int
+
+
 def _event_size(ev: Event) -> int:
     ctx = ev.context
     return 300 + len(ev.text) + (sum(map(len, ctx)) + 4 * len(ctx) if ctx else 0) + len(ev.file)
@@ -96,26 +115,35 @@ class Agent:
             max_line_bytes=cfg.max_line_bytes,
             read_chunk=cfg.read_chunk,
             progress_interval=cfg.progress_interval,
+            fold_timeout=cfg.fold_timeout,
         )
         self._queue: asyncio.Queue[_Item | None] = asyncio.Queue()
-        self._inflight = 0
-        self._space = asyncio.Event()
+        self._inflight = 0  # bytes handed to the loop and not yet acknowledged (under _lock)
+        self._lock = threading.Lock()
+        self._space = threading.Event()
         self._space.set()
         self._stop = asyncio.Event()
-        self._reading_done = asyncio.Event()
+        self._stop_reading = threading.Event()
+        self._reader_done = asyncio.Event()
+        self._reader: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._busy_since: float | None = None  # monotonic start of the reader's current poll
+        self._slow_reported = False
+        self._views: list[_FileView] = []
         self._seq = 0
         self._clock: deque[tuple[float, float]] = deque(maxlen=CLOCK_SAMPLES)
         self._pending_clock: dict[float, float] = {}
         self._reported: dict[str, int] = {}
-        self._last_heartbeat = 0.0
+        self._views_at = -1e18
         self._metrics_at = 0.0
-        self._small_reads = False
         self.published_events = 0
 
     # -- control --------------------------------------------------------------------------------
 
     def request_stop(self) -> None:
         self._stop.set()
+        self._stop_reading.set()
+        self._space.set()
 
     def reload_rules(self) -> bool:
         """SIGHUP: the same loader as startup; a bad library keeps the old rules."""
@@ -142,99 +170,175 @@ class Agent:
     async def run(self) -> None:
         for w in await asyncio.to_thread(self.checkpoints.load):
             log.warning("%s", w)
+        self._loop = asyncio.get_running_loop()
         async with Publisher(self.cfg, self._on_clock_reply) as pub:
+            self._reader = threading.Thread(target=self._read_thread, name="denpex-read", daemon=True)
+            reader_done = False
             try:
                 async with asyncio.TaskGroup() as tg:
-                    tg.create_task(self._read_loop(), name="read")
                     send = tg.create_task(self._send_loop(pub), name="send")
+                    watch = tg.create_task(self._watch_loop(), name="watch")
                     clock = tg.create_task(self._clock_loop(pub), name="clock")
+                    self._reader.start()
                     await self._stop.wait()
-                    await self._reading_done.wait()
+                    reader_done = await self._join_reader(self.cfg.shutdown_timeout / 2)
                     self._queue.put_nowait(None)
                     try:
-                        await asyncio.wait_for(asyncio.shield(send), self.cfg.shutdown_timeout)
+                        await asyncio.wait_for(asyncio.shield(send), self.cfg.shutdown_timeout / 2)
                     except TimeoutError:
                         log.warning(
                             "shutdown: unsent events left; they will be re-read on restart pending=%d",
                             self._queue.qsize(),
                         )
                         send.cancel()
+                    watch.cancel()
                     clock.cancel()
             finally:
                 await self._save_checkpoints()
-                self.tailer.close()
+                if reader_done or not self._reader.is_alive():
+                    self.tailer.close()
         log.info("agent stopped published_events=%d", self.published_events)
 
-    async def _read_loop(self) -> None:
+    async def _join_reader(self, seconds: float) -> bool:
+        """Wait (bounded) for the reader to hand over its last poll; False if it is still busy."""
+        try:
+            async with asyncio.timeout(seconds):
+                await self._reader_done.wait()
+        except TimeoutError:
+            log.warning(
+                "shutdown: the reader is still scanning; stopping without it (its bytes are read "
+                "again at the next start) busy_s=%.1f file=%s",
+                time.monotonic() - (self._busy_since or time.monotonic()),
+                self.tailer.scanning or "-",
+            )
+            return False
+        return True
+
+    # -- the reader thread ------------------------------------------------------------------------
+
+    def _read_thread(self) -> None:
+        loop = self._loop
+        assert loop is not None
+        try:
+            self._read_forever()
+        except Exception:  # a bug here must not pass silently: log it and stop the agent
+            log.exception("reader failed; stopping")
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(self.request_stop)
+        finally:
+            # queued after the reader's last hand-over, so it runs after it
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
+                loop.call_soon_threadsafe(self._reader_done.set)
+
+    def _read_forever(self) -> None:
         cfg = self.cfg
         next_discovery = 0.0
-        try:
-            while not self._stop.is_set():
-                now = time.monotonic()
-                if now >= next_discovery:
-                    await asyncio.to_thread(self.tailer.discover)
-                    next_discovery = now + cfg.discover_interval
-                if self._inflight >= cfg.max_inflight_bytes:
+        stop = self._stop_reading
+        while not stop.is_set():
+            now = time.monotonic()
+            if now >= next_discovery:
+                self.tailer.discover()
+                next_discovery = now + cfg.discover_interval
+            with self._lock:
+                room = cfg.max_inflight_bytes - self._inflight
+                if room <= 0:
                     self._space.clear()
-                    await self._wait(self._space.wait(), cfg.poll_interval * 4)
-                    continue
-                budget = min(cfg.max_inflight_bytes - self._inflight, 8 * cfg.read_chunk)
-                if self._small_reads:  # a few KiB per file: cheaper inline than a thread hop
-                    events, marks, more = self.tailer.poll(min(budget, SMALL_POLL_BYTES))
-                    more = more or False
-                else:
-                    events, marks, more = await asyncio.to_thread(self.tailer.poll, budget)
-                self._small_reads = not more
-                read_at = time.time()
-                if events or marks:
-                    self._enqueue(_Item(events, marks, sum(map(_event_size, events)), read_at))
-                self._heartbeats(read_at)
-                if read_at - self._metrics_at >= 1.0:
-                    self._metrics_at = read_at
-                    self._update_metrics()
-                if not more:
-                    await asyncio.sleep(cfg.poll_interval)
-        finally:
-            self._reading_done.set()
+            if room <= 0:
+                self._space.wait(cfg.poll_interval * 4)
+                continue
+            self._busy_since = time.monotonic()
+            events, marks, more = self.tailer.poll(min(room, 8 * cfg.read_chunk))
+            self._busy_since = None
+            read_at = time.time()
+            if events or marks:
+                item = _Item(events, marks, sum(map(_event_size, events)), read_at)
+                self._hand_over(item)
+            if read_at - self._views_at >= cfg.heartbeat_interval / 2:
+                self._views_at = read_at
+                self._views = self._file_views()
+            if read_at - self._metrics_at >= 1.0:
+                self._metrics_at = read_at
+                self._update_metrics()
+            if not more:
+                stop.wait(cfg.poll_interval)
 
-    @staticmethod
-    async def _wait(aw: Any, seconds: float) -> None:
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(aw, seconds)
+    def _hand_over(self, item: _Item) -> None:
+        with self._lock:
+            self._inflight += item.size
+        loop = self._loop
+        assert loop is not None
+        with contextlib.suppress(RuntimeError):  # the loop is closed: re-read at the next start
+            loop.call_soon_threadsafe(self._queue.put_nowait, item)
 
-    def _enqueue(self, item: _Item) -> None:
-        self._inflight += item.size
-        self._queue.put_nowait(item)
+    def _file_views(self) -> list[_FileView]:
+        views = []
+        for f in list(self.tailer.files):
+            src = f.scanner.source
+            views.append(
+                _FileView(
+                    f.path,
+                    f.identity,
+                    src.rank,
+                    src.local_rank,
+                    f.pos,
+                    f.scanner.line_no,
+                    f.scanner.last_ts(),
+                    self.tailer.file_lag(f),
+                )
+            )
+        return views
 
-    def _heartbeats(self, now: float) -> None:
-        if now - self._last_heartbeat < self.cfg.heartbeat_interval:
-            return
-        self._last_heartbeat = now
+    # -- the loop's side --------------------------------------------------------------------------
+
+    async def _watch_loop(self) -> None:
+        """Heartbeats and the slow-scan watch, on the event loop whatever the reader does."""
+        while True:
+            now = time.time()
+            busy = self._busy_since
+            busy_s = time.monotonic() - busy if busy is not None else 0.0
+            if busy_s >= self.cfg.slow_scan_warning:
+                if not self._slow_reported:
+                    self._slow_reported = True
+                    self.metrics.slow_scans.inc()
+                    log.warning(
+                        "a scan is taking unusually long; heartbeats go on busy_s=%.1f file=%s",
+                        busy_s,
+                        self.tailer.scanning or "-",
+                    )
+            elif busy is None:
+                self._slow_reported = False
+            self._heartbeats(now, busy_s)
+            await asyncio.sleep(self.cfg.heartbeat_interval)
+
+    def _heartbeats(self, now: float, busy_s: float) -> None:
         est = self.clock_estimate
         beats: list[Event] = []
-        for f in self.tailer.files:
-            ts = f.scanner.last_ts()
-            fields: dict[str, Any] = {"agent_time": now, "lag_bytes": self.tailer.file_lag(f)}
+        for v in self._views:
+            fields: dict[str, Any] = {"agent_time": now, "lag_bytes": v.lag}
+            if busy_s >= self.cfg.slow_scan_warning:
+                fields["scan_busy_s"] = round(busy_s, 3)
             if est is not None:
                 fields["clock_offset_s"], fields["clock_uncertainty_s"] = est
-            src = f.scanner.source
             ev = Event(
-                id=event_id(self.cfg.agent, f.identity, int(now * 1000), "heartbeat"),
+                id=event_id(self.cfg.agent, v.identity, int(now * 1000), "heartbeat"),
                 kind="heartbeat",
                 job=self.cfg.job,
                 node=self.cfg.node,
-                rank=src.rank,
-                local_rank=src.local_rank,
-                file=f.path,
-                offset=f.pos,
-                line_no=f.scanner.line_no,
-                ts=ts,
-                ts_source="line" if ts is not None else "none",
+                rank=v.rank,
+                local_rank=v.local_rank,
+                file=v.path,
+                offset=v.pos,
+                line_no=v.line_no,
+                ts=v.last_ts,
+                ts_source="line" if v.last_ts is not None else "none",
                 fields=fields,
             )
             beats.append(ev)
         if beats:
-            self._enqueue(_Item(beats, [], sum(map(_event_size, beats)), now))
+            item = _Item(beats, [], sum(map(_event_size, beats)), now)
+            with self._lock:
+                self._inflight += item.size
+            self._queue.put_nowait(item)
 
     def _update_metrics(self) -> None:
         st = self.tailer.stats
@@ -299,11 +403,12 @@ class Agent:
                 self.published_events += len(part)
             for i in items:
                 for mk in i.marks:
-                    self.checkpoints.advance(mk.identity, mk.path, mk.offset, mk.line_no)
-            self._inflight -= size
-            if self._inflight < cfg.max_inflight_bytes:
-                self._space.set()
-            self.metrics.checkpoint_lag.set(self._inflight)
+                    self.checkpoints.advance(mk.identity, mk.path, mk.offset, mk.line_no, mk.sampled_bucket)
+            with self._lock:
+                self._inflight -= size
+                if self._inflight < cfg.max_inflight_bytes:
+                    self._space.set()
+                self.metrics.checkpoint_lag.set(self._inflight)
             if time.monotonic() - last_save >= cfg.checkpoint_interval:
                 await self._save_checkpoints()
                 last_save = time.monotonic()

@@ -131,7 +131,7 @@ class Layout:
 _PREFIX_RE = re.compile(r"^(?:\[(?:rank|default)\d{1,6}\]: ?)+")
 _PREFIX_PART = re.compile(r"\[(?P<kind>rank|default)(?P<n>\d{1,6})\]:")
 _INLINE_RANK_RE = re.compile(r"\[(?:rank|Rank )(?P<n>\d{1,6})\]|\brank[= ](?P<m>\d{1,6})\b")
-_FILE_RANK_SAMPLE = re.compile(rb"\[rank(\d{1,6})\]")
+FILE_RANK_TAG = re.compile(rb"\[rank(\d{1,6})\]")
 
 
 def has_prefix(line: str) -> bool:
@@ -171,7 +171,7 @@ def strip_prefix(line: str) -> str:
 def dominant_rank(sample: bytes) -> int | None:
     """The rank a file's head names in ≥ 90 % of its ``[rankN]`` tags, if any."""
     counts: dict[int, int] = {}
-    for m in _FILE_RANK_SAMPLE.finditer(sample):
+    for m in FILE_RANK_TAG.finditer(sample):
         r = int(m.group(1))
         counts[r] = counts.get(r, 0) + 1
     if not counts:

@@ -29,6 +29,7 @@ class Position:
     offset: int
     line_no: int
     updated: float
+    sampled_bucket: int = -1  # the scanner's progress-sampling state at offset
 
 
 class Checkpoints:
@@ -56,9 +57,16 @@ class Checkpoints:
             if doc.get("agent") not in (None, self.agent):
                 warnings.append(f"{self.path}: written by agent {doc.get('agent')!r}; positions reused")
             for ident, p in doc["files"].items():
-                self.positions[ident] = Position(
-                    str(p["path"]), int(p["offset"]), int(p["line_no"]), float(p["updated"])
+                pos = Position(
+                    str(p["path"]),
+                    int(p["offset"]),
+                    int(p["line_no"]),
+                    float(p["updated"]),
+                    int(p.get("sampled_bucket", -1)),
                 )
+                if pos.offset < 0 or pos.line_no < 1 or pos.sampled_bucket < -1:
+                    raise ValueError(f"position {ident}: offset {pos.offset}, line {pos.line_no}")
+                self.positions[ident] = pos
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             aside = self.path.with_suffix(f".corrupt-{int(time.time())}")
             os.replace(self.path, aside)
@@ -71,11 +79,11 @@ class Checkpoints:
     def get(self, identity: str) -> Position | None:
         return self.positions.get(identity)
 
-    def advance(self, identity: str, path: str, offset: int, line_no: int) -> None:
+    def advance(self, identity: str, path: str, offset: int, line_no: int, sampled_bucket: int = -1) -> None:
         cur = self.positions.get(identity)
         if cur is not None and offset <= cur.offset:
             return
-        self.positions[identity] = Position(path, offset, line_no, time.time())
+        self.positions[identity] = Position(path, offset, line_no, time.time(), sampled_bucket)
         self.dirty = True
 
     def snapshot(self) -> bytes | None:
@@ -84,7 +92,13 @@ class Checkpoints:
             return None
         now = time.time()
         files = {
-            ident: {"path": p.path, "offset": p.offset, "line_no": p.line_no, "updated": p.updated}
+            ident: {
+                "path": p.path,
+                "offset": p.offset,
+                "line_no": p.line_no,
+                "updated": p.updated,
+                "sampled_bucket": p.sampled_bucket,
+            }
             for ident, p in self.positions.items()
             if now - p.updated < FORGET_AFTER_S
         }

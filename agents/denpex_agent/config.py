@@ -89,6 +89,8 @@ class AgentConfig:
     read_chunk: int = 1 << 20
     max_inflight_bytes: int = 8 << 20
     progress_interval: float = 0.25
+    fold_timeout: float = 5.0
+    slow_scan_warning: float = 2.0
     shutdown_timeout: float = 5.0
     metrics_listen: str | None = None
     log_level: str = "info"
@@ -129,6 +131,8 @@ _FIELD_TYPES: dict[str, type] = {
     "read_chunk": int,
     "max_inflight_bytes": int,
     "progress_interval": float,
+    "fold_timeout": float,
+    "slow_scan_warning": float,
     "shutdown_timeout": float,
     "metrics_listen": str,
     "log_level": str,
@@ -224,7 +228,7 @@ def validate(values: Mapping[str, Any]) -> AgentConfig:
     positive = (
         "batch_max_bytes", "poll_interval", "discover_interval", "heartbeat_interval",
         "clock_interval", "checkpoint_interval", "max_line_bytes", "read_chunk", "max_inflight_bytes",
-        "shutdown_timeout", "progress_interval",
+        "shutdown_timeout", "progress_interval", "fold_timeout", "slow_scan_warning",
     )  # fmt: skip
     for key in positive:
         if getattr(cfg, key) <= 0:

@@ -242,10 +242,13 @@ class Matcher:
         n = len(raw)
         while i < n:
             to = raw[i][0]
-            # a match ending exactly at a newline still belongs to the line before it
+            # A candidate belongs to the line holding its last byte; a pattern such as `\s*$`
+            # may end just past the newline it consumed, and still belongs to the line before it.
+            # The first candidate always belongs to its line, so every turn consumes at least
+            # one and the loop ends on any input.
             start, end = line_bounds(data, max(to - 1, 0), limit)
             candidates: set[int] = set()
-            while i < n and raw[i][0] <= end:
+            while i < n and raw[i][0] <= end + 1:
                 candidates.add(raw[i][1])
                 i += 1
             hit = self.classify_line(data, start, end, candidates)
@@ -272,29 +275,43 @@ class Matcher:
         return Hit(start=start, end=end, line=line, rule=best[1], fields=best[2])
 
     def progress(self, buf: bytes, start: int, stop: int, first_only: bool) -> list[Hit]:
-        """Verified progress lines whose match ends in ``buf[start:stop]`` (one if first_only)."""
+        """Verified progress lines whose match ends in ``buf[start:stop]`` (the first if
+        first_only), in buffer order. ``start`` must be a line start. Each line is verified
+        against its candidate rules in library order, lines in order, whatever order the
+        candidates were reported in."""
         if not self.progress_rules:
             return []
         data = buf[start:stop]
+        raw: list[tuple[int, int]] = []
+
+        def collect(idx: int, to: int) -> None:
+            raw.append((to, idx))
+
+        self._progress_db.scan(data, collect)
+        raw.sort()
         found: list[Hit] = []
-        last_line_end = -1
-
-        def on_hit(idx: int, to: int) -> bool | None:
-            nonlocal last_line_end
-            if to <= last_line_end:
-                return None
-            ls, le = line_bounds(data, max(to - 1, 0), len(data))
-            last_line_end = le
-            line = self._decode(data, ls, le)
-            rule = self.progress_rules[idx]
-            fields = rule.search(line)
-            if fields is None or "step" not in fields:
-                return None
-            found.append(Hit(start=start + ls, end=start + le, line=line, rule=rule, fields=fields))
-            return True if first_only else None
-
-        self._progress_db.scan(data, on_hit)
+        i, n = 0, len(raw)
+        while i < n:
+            ls, le = line_bounds(data, max(raw[i][0] - 1, 0), len(data))
+            candidates: list[int] = []
+            while i < n and raw[i][0] <= le + 1:  # consumes at least raw[i]: always advances
+                candidates.append(raw[i][1])
+                i += 1
+            hit = self._verify_progress(data, ls, le, candidates)
+            if hit is not None:
+                found.append(Hit(hit.start + start, hit.end + start, hit.line, hit.rule, hit.fields))
+                if first_only:
+                    break
         return found
+
+    def _verify_progress(self, data: bytes, ls: int, le: int, candidates: Sequence[int]) -> Hit | None:
+        text = self._decode(data, ls, le)
+        for idx in sorted(set(candidates)):
+            rule = self.progress_rules[idx]
+            fields = rule.search(text)
+            if fields is not None and "step" in fields:
+                return Hit(start=ls, end=le, line=text, rule=rule, fields=fields)
+        return None
 
     def last_progress(self, buf: bytes, start: int, stop: int) -> Hit | None:
         """The last verified progress line whose match ends in ``buf[start:stop]``: candidates

@@ -36,6 +36,11 @@ class AgentMetrics:
             "denpex_agent_warnings_total", "File problems, by reason", ["reason"], registry=registry
         )
         self.files = Gauge("denpex_agent_files_followed", "Files being followed", registry=registry)
+        self.slow_scans = Counter(
+            "denpex_agent_slow_scans_total",
+            "Scans of new bytes that ran longer than slow_scan_warning",
+            registry=registry,
+        )
         self.connected = Gauge(
             "denpex_agent_broker_connected", "1 while connected to the broker", registry=registry
         )

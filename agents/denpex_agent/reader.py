@@ -18,7 +18,8 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from denpex_agent.attribution import Attribution, Layout, attribute_path, dominant_rank
+from denpex_agent.attribution import Attribution, Layout, attribute_path
+from denpex_agent.errors import DenpexAgentError, LayoutError
 from denpex_agent.events import Event, file_identity
 from denpex_agent.matcher import Matcher
 from denpex_agent.scanner import LineScanner, Source
@@ -27,8 +28,6 @@ log = logging.getLogger(__name__)
 
 CHUNK = 1 << 20
 HEAD_SAMPLE = 64 * 1024
-SMALL_FILE = 1 << 20  # up to this size every step line is a progress sample
-PROGRESS_STRIDE = 128 * 1024  # beyond it, one sample per this many bytes (and the last line)
 
 _LOG_NAME = re.compile(r"(?i)(?:\.(?:log|txt|out|err)|^(?:stdout|stderr))(?:\.\d+)?$")
 _ROTATED = re.compile(r"^(?P<base>.+?)\.(?P<n>\d+)$")
@@ -42,6 +41,15 @@ class LogFile:
     size: int
     mtime: float
     identity: str
+    by_layout: bool = False  # attributed by the user's --layout (not the built-in layouts)
+
+
+class NoLogFiles(DenpexAgentError):
+    """Nothing to read under the given paths."""
+
+    def __init__(self, paths: tuple[str, ...]) -> None:
+        self.paths = paths
+        super().__init__(f"no log files (*.log *.txt *.out *.err stdout stderr) found in {', '.join(paths)}")
 
 
 @dataclass(slots=True)
@@ -76,16 +84,27 @@ def _rotation_key(rel: str) -> tuple[str, int]:
 def discover(
     paths: Iterable[str | os.PathLike[str]], layout: Layout | None, report: ReadReport
 ) -> list[LogFile]:
-    """Every log file under ``paths`` with its node/rank attribution, oldest rotation first."""
+    """Every log file under ``paths`` with its node/rank attribution, oldest rotation first.
+
+    One directory is the job's: its subdirectories are the nodes. Several arguments are each
+    placed under their own name (a directory's, or a file's parent directory's), so
+    ``diagnose node1/ node2/`` reads the same paths as ``diagnose .`` in their parent and a
+    ``--layout`` such as ``{node}/rank{rank}.log`` means the same in both.
+
+    Raises `NoLogFiles` when nothing readable was found and `LayoutError` when a ``--layout``
+    matches none of the files (rather than a silent fallback to the built-in layouts)."""
+    given = [Path(p) for p in paths]
+    several = len(given) > 1
+    names: dict[str, Path] = {}
     found: list[LogFile] = []
-    for given in paths:
-        root = Path(given)
+    for root in given:
         try:
             st = root.stat()
         except OSError as exc:
             report.warn(f"{root}: cannot read: {exc.strerror or exc}")
             continue
         if stat.S_ISDIR(st.st_mode):
+            prefix = _placed_name(root, names) + "/" if several else ""
             candidates: list[tuple[Path, str]] = []
             for dirpath, dirnames, filenames in os.walk(
                 root, onerror=lambda e: report.warn(f"{e.filename}: cannot list: {e.strerror}")
@@ -99,35 +118,39 @@ def discover(
                 for name in sorted(filenames):
                     if is_log_name(name):
                         p = Path(dirpath) / name
-                        candidates.append((p, p.relative_to(root).as_posix()))
+                        candidates.append((p, prefix + p.relative_to(root).as_posix()))
             if not candidates:
                 report.warn(f"{root}: no log files (*.log *.txt *.out *.err stdout stderr) found")
+        elif several:
+            candidates = [(root, f"{_placed_name(root.parent, names, allow_same=True)}/{root.name}")]
         else:
             candidates = [(root, root.name)]
         for path, rel in sorted(candidates, key=lambda pr: _rotation_key(pr[1])):
             lf = _describe(path, rel, layout, report)
             if lf is not None:
                 found.append(lf)
-    return _share_ranks(found)
+    if not found:
+        raise NoLogFiles(tuple(str(p) for p in given))
+    if layout is not None and not any(lf.by_layout for lf in found):
+        example = found[0].rel
+        raise LayoutError(
+            f"--layout {layout.template!r} matches none of the {len(found)} log file(s) found "
+            f"(paths are matched relative to the directory given, e.g. {example!r})"
+        )
+    return found
 
 
-def _share_ranks(files: list[LogFile]) -> list[LogFile]:
-    """torchrun writes stdout.log and stderr.log per local rank; when only one of them names the
-    global rank (step lines usually go to one stream), the other one belongs to the same rank."""
-    by_dir: dict[Path, set[int]] = {}
-    for lf in files:
-        if lf.who.rank is not None and lf.who.local_rank is not None:
-            by_dir.setdefault(lf.path.parent, set()).add(lf.who.rank)
-    out = []
-    for lf in files:
-        ranks = by_dir.get(lf.path.parent, set())
-        if lf.who.rank is None and lf.who.local_rank is not None and len(ranks) == 1:
-            who = Attribution(node=lf.who.node, rank=next(iter(ranks)), local_rank=lf.who.local_rank)
-            lf = LogFile(
-                path=lf.path, rel=lf.rel, who=who, size=lf.size, mtime=lf.mtime, identity=lf.identity
-            )
-        out.append(lf)
-    return out
+def _placed_name(directory: Path, names: dict[str, Path], allow_same: bool = False) -> str:
+    """The name a directory argument is placed under; two different directories may not share one."""
+    real = directory.resolve()
+    name = real.name or "root"
+    other = names.setdefault(name, real)
+    if other != real and not allow_same:
+        raise LayoutError(
+            f"two directories are both named {name!r} ({other} and {real}); "
+            "give their common parent instead, or one directory at a time"
+        )
+    return name
 
 
 def _describe(path: Path, rel: str, layout: Layout | None, report: ReadReport) -> LogFile | None:
@@ -142,14 +165,11 @@ def _describe(path: Path, rel: str, layout: Layout | None, report: ReadReport) -
         report.warn(f"{path}: cannot read: {exc.strerror or exc}")
         return None
     who = layout.match(rel) if layout is not None else None
+    by_layout = who is not None
     if layout is not None and who is None:
         report.warn(f"{path}: does not match --layout {layout.template!r}; using the built-in layouts")
     if who is None:
         who = attribute_path(rel)
-    if who.rank is None:
-        rank = dominant_rank(head)
-        if rank is not None:
-            who = Attribution(node=who.node, rank=rank, local_rank=who.local_rank)
     if b"\x00" in head:
         report.warn(f"{path}: holds binary data (NUL bytes); read as text")
     else:
@@ -167,6 +187,7 @@ def _describe(path: Path, rel: str, layout: Layout | None, report: ReadReport) -
         size=st.st_size,
         mtime=st.st_mtime,
         identity=file_identity(st.st_dev, st.st_ino, head[:1024]),
+        by_layout=by_layout,
     )
 
 
@@ -176,7 +197,6 @@ def scanner_for(
     job: str,
     agent: str,
     context_lines: int,
-    progress_stride: int | None = None,
 ) -> LineScanner:
     year = time.gmtime(lf.mtime).tm_year
     source = Source(
@@ -190,9 +210,7 @@ def scanner_for(
         default_year=year,
         ref_epoch=lf.mtime,
     )
-    if progress_stride is None:
-        progress_stride = 0 if lf.size <= SMALL_FILE else PROGRESS_STRIDE
-    return LineScanner(matcher, source, context_lines=context_lines, progress_stride=progress_stride)
+    return LineScanner(matcher, source, context_lines=context_lines)
 
 
 def read_files(

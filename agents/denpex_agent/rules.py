@@ -19,7 +19,13 @@ A rule file (``rules/<category>.toml``) looks like::
     counterexamples = ["Connection closed by peer: retrying (1/3)"]
 
 Patterns are Python regular expressions applied to one line (without its newline), searched
-anywhere in it; ``^``/``$`` are the line's ends. Named groups extract fields; only the names in
+anywhere in it; ``^``/``$`` are the line's ends; a pattern never sees more than its line, so
+``\\s*$`` cannot reach past the newline.
+
+A file may also hold ``[[diagnosis]]`` tables: conclusions the engine draws without a matching
+line (a rank that stopped making progress, a worker killed by a signal, a straggler), each with
+``id``, ``title``, ``category``, ``root_cause``, ``fix``, ``verify`` and optional ``references``,
+so every diagnosis carries why, what to do and how to check it. Named groups extract fields; only the names in
 `FIELD_NAMES` are allowed. Everything is checked when the file is loaded: unknown keys, bad
 enum values, regexes that do not compile, unknown group names, dangling `related` ids.
 """
@@ -60,7 +66,8 @@ STR_FIELDS = frozenset({"node", "exception", "op"})
 FIELD_NAMES = INT_FIELDS | FLOAT_FIELDS | STR_FIELDS
 
 _ID_RE = re.compile(r"^[a-z0-9][a-z0-9-]{1,63}$")
-_FILE_KEYS = frozenset({"schema", "category", "rule"})
+_FILE_KEYS = frozenset({"schema", "category", "rule", "diagnosis"})
+_DIAGNOSIS_KEYS = frozenset({"id", "title", "category", "root_cause", "fix", "verify", "references"})
 _RULE_KEYS = frozenset(
     {
         "id",
@@ -149,18 +156,40 @@ def convert_fields(raw: Mapping[str, str | None]) -> dict[str, int | float | str
     return out
 
 
+@dataclass(frozen=True, slots=True)
+class Explanation:
+    """A conclusion without a pattern (``[[diagnosis]]``): what the engine infers, explained."""
+
+    id: str
+    title: str
+    category: str
+    root_cause: str
+    fix: str
+    verify: str
+    references: tuple[str, ...]
+    source: str
+
+
 class RuleSet:
-    """All rules of a library, in load order, with lookup by id."""
+    """All rules of a library, in load order, with lookup by id, and its `Explanation`s."""
 
-    __slots__ = ("_by_id", "files", "rules")
+    __slots__ = ("_by_id", "_explained", "explanations", "files", "rules")
 
-    def __init__(self, rules: tuple[Rule, ...], files: tuple[str, ...]) -> None:
+    def __init__(
+        self, rules: tuple[Rule, ...], files: tuple[str, ...], explanations: tuple[Explanation, ...] = ()
+    ) -> None:
         self.rules = rules
         self.files = files
+        self.explanations = explanations
         self._by_id = {r.id: r for r in rules}
+        self._explained = {e.id: e for e in explanations}
 
     def get(self, rule_id: str) -> Rule | None:
         return self._by_id.get(rule_id)
+
+    def explanation(self, rule_id: str) -> Rule | Explanation | None:
+        """The rule, or the inferred diagnosis, with this id."""
+        return self._by_id.get(rule_id) or self._explained.get(rule_id)
 
     def __len__(self) -> int:
         return len(self.rules)
@@ -190,21 +219,24 @@ def load_rules(path: str | Path | None = None) -> RuleSet:
     if not files:
         raise RuleError(str(root), None, "no *.toml rule files found")
     rules: list[Rule] = []
+    explanations: list[Explanation] = []
     for f in files:
-        rules.extend(_load_file(f))
+        got, explained = _load_file(f)
+        rules.extend(got)
+        explanations.extend(explained)
     seen: dict[str, str] = {}
-    for r in rules:
-        if r.id in seen:
-            raise RuleError(r.source, r.id, f"duplicate rule id (first defined in {seen[r.id]})")
-        seen[r.id] = r.source
+    for rid, source in [(r.id, r.source) for r in rules] + [(e.id, e.source) for e in explanations]:
+        if rid in seen:
+            raise RuleError(source, rid, f"duplicate rule id (first defined in {seen[rid]})")
+        seen[rid] = source
     for r in rules:
         for rel in r.related:
             if rel not in seen:
                 raise RuleError(r.source, r.id, f"related id {rel!r} is not a known rule")
-    return RuleSet(rules=tuple(rules), files=tuple(str(f) for f in files))
+    return RuleSet(rules=tuple(rules), files=tuple(str(f) for f in files), explanations=tuple(explanations))
 
 
-def _load_file(path: Path) -> list[Rule]:
+def _load_file(path: Path) -> tuple[list[Rule], list[Explanation]]:
     src = str(path)
     try:
         with path.open("rb") as fh:
@@ -220,9 +252,39 @@ def _load_file(path: Path) -> list[Rule]:
         raise RuleError(src, None, f"'schema = {SCHEMA}' is required (found {doc.get('schema')!r})")
     default_category = doc.get("category")
     raw_rules = doc.get("rule", [])
-    if not isinstance(raw_rules, list) or not raw_rules:
+    raw_diagnoses = doc.get("diagnosis", [])
+    if not isinstance(raw_rules, list) or not isinstance(raw_diagnoses, list):
+        raise RuleError(
+            src, None, "'rule' and 'diagnosis' must be arrays of tables ([[rule]], [[diagnosis]])"
+        )
+    if not raw_rules and not raw_diagnoses:
         raise RuleError(src, None, "no [[rule]] tables")
-    return [_build_rule(src, raw, default_category) for raw in raw_rules]
+    rules = [_build_rule(src, raw, default_category) for raw in raw_rules]
+    return rules, [_build_explanation(src, raw, default_category) for raw in raw_diagnoses]
+
+
+def _build_explanation(src: str, raw: Any, default_category: Any) -> Explanation:
+    if not isinstance(raw, dict):
+        raise RuleError(src, None, "a [[diagnosis]] entry must be a table")
+    rid = raw.get("id")
+    if not isinstance(rid, str) or not _ID_RE.match(rid):
+        raise RuleError(src, str(rid), "id must be 2-64 chars of [a-z0-9-], starting alphanumeric")
+    unknown = set(raw) - _DIAGNOSIS_KEYS
+    if unknown:
+        raise RuleError(src, rid, f"unknown key(s) in a [[diagnosis]]: {', '.join(sorted(unknown))}")
+    texts: dict[str, str] = {}
+    for key in ("title", "root_cause", "fix", "verify"):
+        value = raw.get(key)
+        if not isinstance(value, str) or not value.strip():
+            raise RuleError(src, rid, f"{key!r} must be a non-empty string")
+        texts[key] = value.strip()
+    category = raw.get("category", default_category)
+    if category not in CATEGORIES:
+        raise RuleError(src, rid, f"category {category!r} is not one of {', '.join(CATEGORIES)}")
+    refs = raw.get("references", [])
+    if not isinstance(refs, list) or not all(isinstance(r, str) for r in refs):
+        raise RuleError(src, rid, "'references' must be a list of strings")
+    return Explanation(id=rid, category=str(category), references=tuple(refs), source=src, **texts)
 
 
 def _build_rule(src: str, raw: Mapping[str, Any], default_category: Any) -> Rule:

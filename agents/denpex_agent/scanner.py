@@ -1,27 +1,38 @@
 """Incremental scanner: bytes of one log file in, events out.
 
 Both the post-mortem reader and the live tailer feed a file's bytes through one `LineScanner`,
-chunk by chunk, so matching, folding, timestamps, attribution and masking exist once.
+chunk by chunk, so matching, folding, sampling, timestamps, attribution and masking exist once,
+and the events depend on the bytes alone, never on how they were cut into reads.
 
 Per chunk: one multi-pattern scan over the complete lines (`Matcher.scan`), then work only on
-the lines that matched; progress (step) lines are sampled every `progress_stride` bytes, plus
-the file's last one at `finish()`. A Python traceback is folded into one event classified by its
-final exception line; torchrun's ChildFailedError block is folded and its root-cause entry read.
-A fold that is still open at the end of a chunk is carried into the next one.
+the lines that matched. A Python traceback is folded into one event classified by its final
+exception line; torchrun's ChildFailedError block is folded and its root-cause entry read. A
+record whose end has not arrived yet stays open across reads; `flush()` closes it when the file
+goes quiet (`idle`: a traceback whose exception line was read; `force`: anything, after a longer
+fold timeout or when the file is closed).
+
+Progress (step) lines are *sampled* by a rule of the bytes alone: every step line that starts
+in the first `dense_bytes` of the file, then the first step line starting in each following
+`stride`-byte bucket. Live and post-mortem reading therefore give the clock estimator the very
+same samples. Besides samples, the newest step line of what was read goes out as a *tip*
+(``fields["tip"]``): at `finish()` (the file's last one) and, live, at most every
+`progress_interval` seconds; tips tell how far a rank got, they are not clock samples.
 """
 
 from __future__ import annotations
 
+import bisect
 import re
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from denpex_agent.attribution import has_prefix, line_rank, strip_prefix
+from denpex_agent.attribution import FILE_RANK_TAG, has_prefix, line_rank, strip_prefix
 from denpex_agent.events import Event, event_id
 from denpex_agent.masking import mask, mask_lines
 from denpex_agent.matcher import Hit, Matcher, line_bounds
+from denpex_agent.rules import SEVERITIES
 from denpex_agent.timestamps import parse_timestamp
 
 TAIL_BYTES = 128 * 1024
@@ -31,8 +42,18 @@ MAX_FOLD_LINES = 400
 MAX_CARRY = 512 * 1024
 TRUNCATED_MARKER = b" [denpex: line truncated]"
 TS_LOOKBACK_LINES = 64
+HEAD_BYTES = 64 * 1024  # `[rankN]` tags in a file's first bytes tell whose file it is
+DOMINANT_SHARE = 0.9
+DENSE_BYTES = 1 << 20  # every step line that starts in a file's first MiB is a sample
+STRIDE = 128 * 1024  # beyond it, the first step line of each bucket of this size
+
+# How far `_process` may go when a record's end has not arrived: MORE (more bytes will come),
+# IDLE (the file went quiet: close records whose last line was read), FINAL (close everything).
+MORE, IDLE, FINAL = 0, 1, 2
 
 _CHAIN = ("During handling of the above exception", "The above exception was the direct cause")
+_CPP_FRAME = re.compile(r"\s*(?:frame #\d+: |Exception raised from \S.* \(most recent call first\):)")
+_ERROR = SEVERITIES.index("error")
 _EL_RANK = re.compile(r"^\s*rank\s*:\s*(?P<rank>\d+)\s*\(local_rank:\s*(?P<local>\d+)\)")
 _EL_EXIT = re.compile(r"^\s*exitcode\s*:\s*(?P<code>-?\d+)")
 _EL_SIGNAL = re.compile(r"Signal\s+(?P<sig>\d+)\s+\((?P<name>SIG[A-Z0-9]+)\)")
@@ -76,8 +97,9 @@ class LineScanner:
         start_offset: int = 0,
         start_line: int = 1,
         context_lines: int = 100,
-        progress_stride: int = 0,
-        progress_window: int = 4096,
+        dense_bytes: int = DENSE_BYTES,
+        stride: int = STRIDE,
+        sampled_bucket: int = -1,
         progress_interval: float = 0.0,
         clock: Callable[[], float] | None = None,
         max_line_bytes: int = 1 << 20,
@@ -85,8 +107,8 @@ class LineScanner:
         self.matcher = matcher
         self.source = source
         self.context_lines = context_lines
-        self.progress_stride = progress_stride
-        self.progress_window = progress_window
+        self.dense_bytes = dense_bytes
+        self.stride = stride
         self.max_line_bytes = max_line_bytes
         self.stats = ScanStats()
         self._buf = b""
@@ -97,17 +119,28 @@ class LineScanner:
         self._last_ts: float | None = None
         self._ts_stale = False  # new bytes since _last_ts was computed
         self._skip_long = False
-        self._next_progress = start_offset
+        self._continued = False  # the last line was closed without its newline (see flush)
+        # `[rankN]` tags in the file's first HEAD_BYTES (only for a file whose path names no rank):
+        # their offsets, and the dominant rank after the first k of them, for `_rank_of`
+        self._track_tags = source.rank is None
+        self._tag_offsets: list[int] = []
+        self._tag_counts: dict[int, int] = {}
+        self._dominant: list[int | None] = [None]
+        # the newest bucket (beyond dense_bytes) that gave its sample; checkpointed with the offset
+        self.sampled_bucket = sampled_bucket
         self._last_progress_offset = -1
-        # time-based sampling (live): the newest step line, emitted at most every interval
+        # live tips: the newest step line, at most every interval, when bytes arrived
         self.progress_interval = progress_interval
         self._clock = clock
         self._progress_seen_upto = start_offset
         self._last_emit = -1e18
 
-    def prime(self, before: bytes) -> None:
+    def prime(self, before: bytes, head: bytes = b"") -> None:
         """Resume after a restart: the bytes just before the start offset give context lines
-        and the last timestamp, as if the scanner had read them."""
+        and the last timestamp, and the file's first bytes (``head``, up to the start offset)
+        its rank tags, as if the scanner had read them."""
+        if self._track_tags:
+            self._add_tags(head[: min(self._base, HEAD_BYTES)], 0)
         nl = before.find(b"\n")
         tail = before[nl + 1 :] if nl >= 0 else b""
         self._set_tail(tail[-TAIL_BYTES:])
@@ -141,8 +174,8 @@ class LineScanner:
         return self._last_ts
 
     def due_progress(self) -> list[Event]:
-        """Live sampling: once per interval, and only when bytes arrived since the last look,
-        the newest step line of what was processed (searched backwards in the tail)."""
+        """Live tips: once per interval, and only when bytes arrived since the last look, the
+        newest step line of what was processed (searched backwards in the tail)."""
         if self._clock is None or self.progress_interval <= 0 or self._base == self._progress_seen_upto:
             return []
         now = self._clock()
@@ -166,8 +199,16 @@ class LineScanner:
         """Bytes held back (an unfinished line or an open traceback)."""
         return len(self._buf)
 
+    @property
+    def open_record(self) -> bool:
+        """Whether held-back bytes hold a complete line (an open record, not just a partial line)."""
+        return b"\n" in self._buf
+
     def feed(self, data: bytes) -> list[Event]:
         self.stats.bytes += len(data)
+        if self._continued and data:
+            self._continued = False  # the rest of a line closed early: the same line goes on
+            self._line_no -= 1
         buf = self._buf + data if self._buf else data
         if self._skip_long:
             nl = buf.find(b"\n")
@@ -184,34 +225,48 @@ class LineScanner:
                 return self._truncate_long(buf)
             self._buf = buf
             return []
-        events, consumed = self._process(buf, cut, final=False)
+        events, consumed = self._process(buf, cut, MORE)
         rest = buf[consumed:]
         if len(rest) > MAX_CARRY and consumed < cut:  # a fold that never closes: give up on it
-            events2, consumed2 = self._process(rest, rest.rfind(b"\n") + 1, final=True)
+            events2, consumed2 = self._process(rest, rest.rfind(b"\n") + 1, FINAL)
             events.extend(events2)
             rest = rest[consumed2:]
         self._buf = rest
         return events
 
-    def flush(self) -> list[Event]:
-        """The file went quiet: close an open fold (a traceback ends where the data ends) but
-        keep an unfinished last line. Live tailing calls this after a short idle time."""
+    def flush(self, *, force: bool = False) -> list[Event]:
+        """The file went quiet. Close the open records whose end was read (a traceback up to its
+        exception line); with ``force`` (after the fold timeout) close every open record and take
+        an unfinished last line as a whole line, exactly as `finish()` would at the end of input.
+        Bytes that arrive later continue from there."""
         buf = self._buf
+        if not buf:
+            return []
+        if force:
+            if buf.endswith(b"\n"):
+                events, consumed = self._process(buf, len(buf), FINAL)
+                self._buf = buf[consumed:]
+                return events
+            events, _ = self._process(buf + b"\n", len(buf) + 1, FINAL)
+            self._base -= 1  # the newline was ours, not the file's
+            self._buf = b""
+            self._continued = True
+            return events
         cut = buf.rfind(b"\n") + 1
         if cut == 0:
             return []
-        events, consumed = self._process(buf, cut, final=True)
+        events, consumed = self._process(buf, cut, IDLE)
         self._buf = buf[consumed:]
         return events
 
     def finish(self) -> list[Event]:
-        """End of input: process what is held back, then the file's last progress line."""
+        """End of input: process what is held back, then the file's last step line (a tip)."""
         buf = self._buf
         if buf and not buf.endswith(b"\n"):
             buf += b"\n"
         events: list[Event] = []
         if buf:
-            got, _ = self._process(buf, len(buf), final=True)
+            got, _ = self._process(buf, len(buf), FINAL)
             events.extend(got)
             self._buf = b""
         events.extend(self._final_progress())
@@ -227,14 +282,18 @@ class LineScanner:
                 "matched on its first bytes, the rest skipped"
             )
         head = buf[: self.max_line_bytes] + TRUNCATED_MARKER + b"\n"
-        events, _ = self._process(head, len(head), final=True)
+        events, _ = self._process(head, len(head), FINAL)
         self._base += len(buf) - len(head)  # _process advanced by len(head); account for the rest
         self._buf = b""
         self._skip_long = True
         return events
 
-    def _process(self, buf: bytes, cut: int, final: bool) -> tuple[list[Event], int]:
+    def _process(self, buf: bytes, cut: int, mode: int) -> tuple[list[Event], int]:
         hits = self.matcher.scan(buf, cut)
+        if self._track_tags and self._base < HEAD_BYTES:
+            # tags are a property of the file's bytes: counting them once, as soon as they are
+            # seen, is the same whatever comes of the buffer (events only look at earlier ones)
+            self._add_tags(buf[: min(cut, HEAD_BYTES - self._base)], self._base)
         events: list[Event] = []
         consumed = cut
         absorbed_until = -1
@@ -246,7 +305,7 @@ class LineScanner:
             rule = hit.rule
             block_end = hit.end
             if rule.fold == "python-traceback":
-                folded = self._fold_traceback(buf, hit, hits[idx + 1 :], cut, final)
+                folded = self._fold_traceback(buf, hit, hits[idx + 1 :], cut, mode)
                 if folded is None:
                     consumed = hit.start
                     break
@@ -256,21 +315,25 @@ class LineScanner:
                 elif exc_text:
                     fields["exception"] = exc_text[:300]
             if rule.fold == "elastic-failure":
-                efold = self._fold_elastic(buf, block_end, cut, final)
+                efold = self._fold_elastic(buf, block_end, cut, mode)
                 if efold is None:
                     consumed = hit.start
                     break
                 block_end, extra = efold
                 fields.update(extra)
+            if rule.severity_level >= _ERROR:
+                stack_end = self._fold_cpp_stack(buf, block_end, cut, mode)
+                if stack_end is None:
+                    consumed = hit.start
+                    break
+                block_end = stack_end
             absorbed_until = block_end
             events.append(self._event(buf, hit, rule, fields, block_end, counter))
         if consumed > 0:
-            if self.progress_interval > 0 and self._clock is not None:
-                self._advance(buf, consumed)
+            events.extend(self._sample_progress(buf, consumed, counter))
+            self._advance(buf, consumed)
+            if self._clock is not None:
                 events.extend(self.due_progress())
-            else:
-                events.extend(self._sample_progress(buf, consumed, counter))
-                self._advance(buf, consumed)
         self.stats.events += sum(1 for e in events if e.kind == "match")
         return events, consumed
 
@@ -305,7 +368,7 @@ class LineScanner:
             count += 1
 
     def _fold_traceback(
-        self, buf: bytes, header: Hit, later: list[Hit], cut: int, final: bool
+        self, buf: bytes, header: Hit, later: list[Hit], cut: int, mode: int
     ) -> tuple[int, Hit | None, str] | None:
         """(end of block, best hit inside it, exception line) or None when the block is cut off."""
         exc_end = -1
@@ -334,7 +397,14 @@ class LineScanner:
             block_end = exc_end
             break
         else:
-            if final or (exc_end >= 0 and cut - header.start > MAX_CARRY):
+            # The data ends inside the block. Its end is known when the file is done (FINAL), or
+            # when it went quiet right after an exception line (IDLE: a chained traceback would
+            # have followed at once); otherwise wait for more.
+            if (
+                mode == FINAL
+                or (mode == IDLE and state == "after")
+                or (exc_end >= 0 and cut - header.start > MAX_CARRY)
+            ):
                 block_end = exc_end if exc_end >= 0 else header.end
             elif exc_end >= 0 and self._line_count(buf, header.end, cut) >= MAX_FOLD_LINES:
                 block_end = exc_end
@@ -346,10 +416,25 @@ class LineScanner:
         best = min(inside, key=lambda h: (-h.rule.severity_level, _role_rank(h.rule.role)), default=None)
         return block_end, best, exc_text
 
+    def _fold_cpp_stack(self, buf: bytes, end: int, cut: int, mode: int) -> int | None:
+        """A C++ stack printed right after an error (``Exception raised from ... (most recent
+        call first):``, ``frame #N: ...``) belongs to it. Whether one follows is known only
+        from the next line, so an error that ends the data waits for it (or for quiet)."""
+        block_end = end
+        count = 0
+        for _start, line_end, text in self._lines_from(buf, end + 1, cut):
+            if not _CPP_FRAME.match(text):
+                return block_end
+            block_end = line_end
+            count += 1
+        if mode != MORE or count >= MAX_FOLD_LINES or cut - end > MAX_CARRY:
+            return block_end
+        return None
+
     def _line_count(self, buf: bytes, start: int, end: int) -> int:
         return buf.count(b"\n", start, end)
 
-    def _fold_elastic(self, buf: bytes, pos: int, cut: int, final: bool) -> tuple[int, dict[str, Any]] | None:
+    def _fold_elastic(self, buf: bytes, pos: int, cut: int, mode: int) -> tuple[int, dict[str, Any]] | None:
         """Read torchrun's failure summary after a ChildFailedError line."""
         fields: dict[str, Any] = {}
         in_root = False
@@ -388,7 +473,7 @@ class LineScanner:
             if m2 and "signal" not in fields:
                 fields["signal"] = int(m2.group("sig"))
         else:
-            closed = final
+            closed = mode == FINAL
         if not closed:
             return None
         return block_end, fields
@@ -401,7 +486,7 @@ class LineScanner:
         src = self.source
         line = hit.line
         prefix_rank, prefix_local = line_rank(line)
-        rank = _pick_rank(line, prefix_rank, src.rank)
+        rank = self._rank_of(line, prefix_rank, self._base + hit.start)
         if rank is None and isinstance(fields.get("rank"), int):
             rank = fields["rank"]
         local_rank = prefix_local if prefix_local is not None else src.local_rank
@@ -469,22 +554,64 @@ class LineScanner:
             lines = _last_lines(seg, len(seg), want - len(lines)) + lines
         return mask_lines(lines)
 
+    # -- ranks --------------------------------------------------------------------------------
+
+    def _rank_of(self, line: str, line_rank_: int | None, offset: int) -> int | None:
+        """A ``[rankN]:`` prefix beats the file's rank (merged outputs); the file's rank (its
+        path, else the rank that ≥ 90 % of the ``[rankN]`` tags before this line in the file's
+        first bytes name) beats a rank the text mentions. Decided by the bytes before the line
+        alone, so the same however the file was read."""
+        if line_rank_ is not None and has_prefix(line):
+            return line_rank_
+        if self.source.rank is not None:
+            return self.source.rank
+        if self._track_tags:
+            dominant = self._dominant[bisect.bisect_left(self._tag_offsets, offset)]
+            if dominant is not None:
+                return dominant
+        return line_rank_
+
+    def _add_tags(self, data: bytes, base: int) -> None:
+        """Count the tags in ``data`` (file offset ``base``) that were not counted yet."""
+        start = self._tag_offsets[-1] + 1 - base if self._tag_offsets else 0
+        counts, dominant = self._tag_counts, self._dominant
+        for m in FILE_RANK_TAG.finditer(data, max(start, 0)):
+            rank = int(m.group(1))
+            counts[rank] = counts.get(rank, 0) + 1
+            self._tag_offsets.append(base + m.start())
+            best = min(counts, key=lambda r: (-counts[r], r))
+            dominant.append(best if counts[best] >= DOMINANT_SHARE * len(self._tag_offsets) else None)
+
     # -- progress -----------------------------------------------------------------------------
 
     def _sample_progress(self, buf: bytes, consumed: int, counter: _LineCounter) -> list[Event]:
+        """The samples among the step lines that start in ``buf[:consumed]`` (``buf[0]`` is a
+        line start at file offset ``self._base``): every one below ``dense_bytes``, then the
+        first of each ``stride`` bucket. Decided by file offsets alone, so any cut of the same
+        bytes into reads samples the same lines."""
+        base, dense, stride = self._base, self.dense_bytes, self.stride
         hits: list[Hit] = []
-        if self.progress_stride <= 0:
-            hits = self.matcher.progress(buf, 0, consumed, first_only=False)
-        else:
-            while self._next_progress < self._base + consumed:
-                local = max(self._next_progress - self._base, 0)
-                if local > 0:
-                    local = buf.rfind(b"\n", 0, local) + 1
-                got = self.matcher.progress(
-                    buf, local, min(local + self.progress_window, consumed), first_only=True
-                )
-                hits.extend(got)
-                self._next_progress += self.progress_stride
+        if base < dense:
+            stop = _line_end_after(buf, dense - base - 1, consumed)
+            hits.extend(self.matcher.progress(buf, 0, stop, first_only=False))
+        pos = max(base, dense)
+        end = base + consumed
+        while pos < end:
+            bucket = (pos - dense) // stride
+            bucket_end = dense + (bucket + 1) * stride
+            if bucket > self.sampled_bucket:
+                local = pos - base
+                if local > 0:  # the first line that starts at or after pos
+                    local = buf.find(b"\n", local - 1, consumed) + 1
+                    if local == 0:
+                        break
+                stop = _line_end_after(buf, bucket_end - base - 1, consumed)
+                if local < stop:
+                    got = self.matcher.progress(buf, local, stop, first_only=True)
+                    if got:
+                        hits.append(got[0])
+                        self.sampled_bucket = bucket
+            pos = bucket_end
         return [self._progress_event(buf, h, counter) for h in hits]
 
     def _final_progress(self) -> list[Event]:
@@ -509,7 +636,7 @@ class LineScanner:
                 if offset == self._last_progress_offset:
                     return []
                 line_no = self._line_no - newest.count(b"\n", last.start)
-                return [self._make_progress(last, offset, line_no, newest)]
+                return [self._make_progress(last, offset, line_no, newest, tip=True)]
         tail = self._tail
         if not tail:
             return []
@@ -524,17 +651,17 @@ class LineScanner:
         if offset == self._last_progress_offset:
             return []
         line_no = self._line_no - tail.count(b"\n", last.start)
-        return [self._make_progress(last, offset, line_no, tail)]
+        return [self._make_progress(last, offset, line_no, tail, tip=True)]
 
     def _progress_event(self, buf: bytes, hit: Hit, counter: _LineCounter) -> Event:
         return self._make_progress(hit, self._base + hit.start, counter.line_at(hit.start), buf)
 
-    def _make_progress(self, hit: Hit, offset: int, line_no: int, buf: bytes) -> Event:
+    def _make_progress(self, hit: Hit, offset: int, line_no: int, buf: bytes, tip: bool = False) -> Event:
         src = self.source
         self._last_progress_offset = offset
         self.stats.progress += 1
         prefix_rank, prefix_local = line_rank(hit.line)
-        rank = _pick_rank(hit.line, prefix_rank, src.rank)
+        rank = self._rank_of(hit.line, prefix_rank, offset)
         ts, ts_source = self._timestamp(buf, hit.start, hit.line)
         return Event(
             id=event_id(src.agent, src.identity, offset, "progress"),
@@ -553,7 +680,7 @@ class LineScanner:
             role="progress",
             category="progress",
             text=mask(hit.line[:MAX_CONTEXT_LINE]),
-            fields=dict(hit.fields),
+            fields={**hit.fields, "tip": True} if tip else dict(hit.fields),
         )
 
 
@@ -576,6 +703,14 @@ class _LineCounter:
         return self._count
 
 
+def _line_end_after(buf: bytes, pos: int, limit: int) -> int:
+    """The end (past its newline) of the line holding ``buf[pos]``, at most ``limit``."""
+    if pos >= limit - 1:
+        return limit
+    nl = buf.find(b"\n", max(pos, 0), limit)
+    return limit if nl < 0 else nl + 1
+
+
 def _last_lines(data: bytes, end: int, count: int) -> list[str]:
     """Up to ``count`` whole lines ending just before ``end`` (``data[end - 1]`` is a newline),
     decoded in one go and cut to MAX_CONTEXT_LINE characters each."""
@@ -596,13 +731,6 @@ def _last_lines(data: bytes, end: int, count: int) -> list[str]:
         raw = raw[-count:]
     lines = b"\n".join(raw).decode("utf-8", "replace").split("\n")
     return [line[:MAX_CONTEXT_LINE] for line in lines]
-
-
-def _pick_rank(line: str, from_line: int | None, from_file: int | None) -> int | None:
-    """A ``[rankN]:`` prefix beats the file's rank (merged outputs); the file beats inline text."""
-    if from_line is not None and (has_prefix(line) or from_file is None):
-        return from_line
-    return from_file
 
 
 def _role_rank(role: str) -> int:

@@ -28,18 +28,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
-from denpex_agent.attribution import Attribution, Layout, attribute_path, dominant_rank
+from denpex_agent.attribution import Attribution, Layout, attribute_path
 from denpex_agent.checkpoint import Checkpoints
 from denpex_agent.events import Event, file_identity, identity_matches
 from denpex_agent.matcher import Matcher
-from denpex_agent.reader import is_log_name
+from denpex_agent.reader import HEAD_SAMPLE, is_log_name
 from denpex_agent.scanner import TAIL_BYTES, LineScanner, Source
 
 log = logging.getLogger(__name__)
 
 HEAD_BYTES = 256
 DRAIN_GRACE_S = 2.0
-FOLD_IDLE_S = 0.3  # a traceback still open after this much quiet is complete
+FOLD_IDLE_S = 0.3  # a traceback whose exception line was read is complete after this much quiet
+FOLD_TIMEOUT_S = 5.0  # any open record (and an unfinished last line) is complete after this much
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +49,7 @@ class Mark:
     path: str
     offset: int
     line_no: int
+    sampled_bucket: int = -1  # the scanner's sampling state at offset (see LineScanner)
 
 
 @dataclass(slots=True)
@@ -65,6 +67,7 @@ class Followed:
     last_heartbeat: float = 0.0
     last_seen: tuple[int, int] = (-1, -1)
     head: bytes | None = None  # the first bytes (up to HEAD_BYTES) as read; None until checked
+    flushed: int = 0  # 0: nothing closed since the last growth, 1: closed when idle, 2: forced
 
 
 @dataclass(slots=True)
@@ -94,6 +97,7 @@ class Tailer:
         max_line_bytes: int = 1 << 20,
         read_chunk: int = 1 << 20,
         progress_interval: float = 1.0,
+        fold_timeout: float = FOLD_TIMEOUT_S,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.globs = globs
@@ -105,8 +109,10 @@ class Tailer:
         self.max_line_bytes = max_line_bytes
         self.read_chunk = read_chunk
         self.progress_interval = progress_interval
+        self.fold_timeout = fold_timeout
         self.clock = clock
         self.files: list[Followed] = []
+        self.scanning: str | None = None  # the file poll() is reading now (for slow-scan reports)
         self.stats = TailStats()
         self._warned: set[tuple[str, str]] = set()
 
@@ -177,22 +183,22 @@ class Tailer:
         def read_head(n: int) -> bytes:
             return os.pread(fh.fileno(), n, 0)
 
-        start, line_no, identity = 0, 1, None
+        start, line_no, identity, bucket = 0, 1, None, -1
         for ident in list(self.checkpoints.positions):
             if identity_matches(ident, st.st_dev, st.st_ino, read_head):
                 pos = self.checkpoints.positions[ident]
                 if pos.offset <= st.st_size:
-                    start, line_no, identity = pos.offset, pos.line_no, ident
+                    start, line_no, identity, bucket = pos.offset, pos.line_no, ident, pos.sampled_bucket
                 break
         head = read_head(HEAD_BYTES)
         known_head: bytes | None = None
         if identity is None:
             identity = file_identity(st.st_dev, st.st_ino, head)
             known_head = head
-        scanner = self._scanner(path, pattern, identity, head, start, line_no)
+        scanner, sample = self._scanner(path, pattern, identity, start, line_no, bucket)
         if start > 0:
             before = os.pread(fh.fileno(), min(start, TAIL_BYTES), start - min(start, TAIL_BYTES))
-            scanner.prime(before)
+            scanner.prime(before, sample)
         now = self.clock()
         self.files.append(
             Followed(
@@ -211,21 +217,24 @@ class Tailer:
         self.stats.files_opened += 1
         log.info("following file path=%s offset=%d identity=%s", path, start, identity)
 
-    def _attribution(self, path: str, pattern: str, head: bytes) -> Attribution:
+    def _attribution(self, path: str, pattern: str) -> Attribution:
+        """Rank and local rank from the path (the lines' own tags are the scanner's business)."""
         base = _static_prefix(pattern)
         rel = os.path.relpath(path, base) if base else path
         who = self.layout.match(rel) if self.layout is not None else None
         if who is None:
             who = attribute_path(rel)
-        rank = who.rank if who.rank is not None else dominant_rank(head)
-        return Attribution(node=self.node, rank=rank, local_rank=who.local_rank)
+        return Attribution(node=self.node, rank=who.rank, local_rank=who.local_rank)
 
     def _scanner(
-        self, path: str, pattern: str, identity: str, head: bytes, start: int, line_no: int
-    ) -> LineScanner:
-        with open(path, "rb") as fh:
-            sample = fh.read(64 * 1024)
-        who = self._attribution(path, pattern, sample or head)
+        self, path: str, pattern: str, identity: str, start: int, line_no: int, bucket: int
+    ) -> tuple[LineScanner, bytes]:
+        """The file's scanner, and its first bytes before ``start`` (to prime a resumed one)."""
+        sample = b""
+        if start > 0:
+            with open(path, "rb") as fh:
+                sample = fh.read(min(start, HEAD_SAMPLE))
+        who = self._attribution(path, pattern)
         source = Source(
             job=self.job,
             agent=self.agent,
@@ -237,14 +246,17 @@ class Tailer:
             default_year=time.gmtime(self.clock()).tm_year,
             ref_epoch=self.clock(),
         )
-        return self._line_scanner(source, start, line_no)
+        return self._line_scanner(source, start, line_no, bucket), sample
 
-    def _line_scanner(self, source: Source, start: int = 0, line_no: int = 1) -> LineScanner:
+    def _line_scanner(
+        self, source: Source, start: int = 0, line_no: int = 1, bucket: int = -1
+    ) -> LineScanner:
         return LineScanner(
             self.matcher,
             source,
             start_offset=start,
             start_line=line_no,
+            sampled_bucket=bucket,
             context_lines=self.context_lines,
             progress_interval=self.progress_interval,
             clock=self.clock,
@@ -261,6 +273,7 @@ class Tailer:
         more = False
         now = self.clock()
         for f in list(self.files):
+            self.scanning = f.path
             f.scanner.matcher = self.matcher  # a reload swaps the matcher between polls
             if budget <= 0:
                 more = True
@@ -284,24 +297,44 @@ class Tailer:
                     got += len(data)
                     budget -= len(data)
                     events.extend(f.scanner.feed(data))
-                    marks.append(Mark(f.identity, f.path, f.scanner.offset, f.scanner.line_no))
+                    marks.append(self._mark(f))
                 if f.pos < size:
                     more = True
                 if got:
                     f.last_growth = now
+                    f.flushed = 0
                     self.stats.bytes_read += got
                 else:
                     events.extend(f.scanner.due_progress())
-                    if f.scanner.pending and now - f.last_growth >= FOLD_IDLE_S:
-                        events.extend(f.scanner.flush())
-                        marks.append(Mark(f.identity, f.path, f.scanner.offset, f.scanner.line_no))
+                    if f.scanner.pending:
+                        self._close_records(f, now - f.last_growth, events, marks)
             except OSError as exc:
                 self._warn(f.path, "read-failed", f"read failed ({exc.strerror}); file closed")
                 self._close(f, events, marks)
                 continue
             if f.draining and f.pos >= size and now - f.last_growth > DRAIN_GRACE_S:
                 self._close(f, events, marks)
+        self.scanning = None
         return events, marks, more
+
+    def _close_records(self, f: Followed, idle: float, events: list[Event], marks: list[Mark]) -> None:
+        """The file went quiet: records whose end was read are complete after FOLD_IDLE_S; any
+        open record, and an unfinished last line, after ``fold_timeout`` (the writer died or
+        stalled in the middle of it). Each step runs once per quiet spell."""
+        if idle >= self.fold_timeout and f.flushed < 2:
+            f.flushed = 2
+            events.extend(f.scanner.flush(force=True))
+        elif idle >= FOLD_IDLE_S and f.flushed < 1 and f.scanner.open_record:
+            f.flushed = 1
+            events.extend(f.scanner.flush())
+        else:
+            return
+        marks.append(self._mark(f))
+
+    @staticmethod
+    def _mark(f: Followed) -> Mark:
+        sc = f.scanner
+        return Mark(f.identity, f.path, sc.offset, sc.line_no, sc.sampled_bucket)
 
     def _truncated(self, f: Followed, st: os.stat_result) -> bool:
         """Shrunk below the read position, or (copytruncate followed by fast regrowth, even to
@@ -338,7 +371,7 @@ class Tailer:
 
     def _close(self, f: Followed, events: list[Event], marks: list[Mark]) -> None:
         events.extend(f.scanner.finish())
-        marks.append(Mark(f.identity, f.path, f.pos, f.scanner.line_no))
+        marks.append(Mark(f.identity, f.path, f.pos, f.scanner.line_no, f.scanner.sampled_bucket))
         f.fh.close()
         self.files.remove(f)
         self.stats.files_closed += 1

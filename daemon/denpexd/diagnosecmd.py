@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -13,7 +14,7 @@ import orjson
 from denpex_agent.attribution import Layout
 from denpex_agent.errors import LayoutError, RuleError
 from denpex_agent.matcher import Matcher
-from denpex_agent.reader import ReadReport, discover, read_files
+from denpex_agent.reader import NoLogFiles, ReadReport, discover, read_files
 from denpex_agent.rules import RuleSet, load_rules
 from denpexd.engine import Engine
 from denpexd.report import render_text
@@ -36,7 +37,7 @@ def diagnose_paths(
     lay = Layout(layout) if layout else None
     report = ReadReport()
     files = discover(paths, lay, report)
-    job_id = job or Path(paths[0]).resolve().name
+    job_id = job or default_job_id(paths)
     engine = Engine(job_id, rules)
     matcher = Matcher(rules)
     total = sum(f.size for f in files)
@@ -58,6 +59,17 @@ def diagnose_paths(
         "warnings": report.warnings,
     }
     return result
+
+
+def default_job_id(paths: list[str]) -> str:
+    """The directory's name; for several paths, the name of the directory that holds them all."""
+    resolved = [Path(p).resolve() for p in paths]
+    if len(resolved) == 1:
+        return resolved[0].name or "job"
+    common = Path(os.path.commonpath(resolved))
+    if common in resolved and common.is_file():
+        common = common.parent
+    return common.name or "job"
 
 
 class _Bar:
@@ -108,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
             progress=sys.stderr if show_bar else None,
             progress_min_bytes=0 if args.progress == "always" else PROGRESS_MIN_BYTES,
         )
-    except LayoutError as exc:
+    except (LayoutError, NoLogFiles) as exc:
         print(f"denpexd diagnose: {exc}", file=sys.stderr)
         return 2
     if args.format == "json":

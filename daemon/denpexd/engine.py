@@ -4,7 +4,18 @@ Pure and incremental: `Engine.add()` folds each event into bounded per-(node, ra
 aggregates and per-rank progress tracks; `Engine.diagnose()` can be called at any time and
 computes clock offsets, the initiator and its rivals, the hang suspect, the collateral, the NaN
 fingerprint and the evidence from those aggregates. `denpexd diagnose` feeds it from files and
-`denpexd serve` from MQTT — the same code either way, so the two agree by construction.
+`denpexd serve` from MQTT — the same code either way.
+
+Order does not matter: the state after a set of events is the same whatever order they were
+added in (every "first" is the least by `event_order`, every tie has one rule), so the live
+daemon, which gets the nodes' events interleaved by the network, and `diagnose`, which reads file
+after file, reach the same diagnosis from the same events.
+
+Ranks. An event whose line and path name no global rank is kept apart with its file and local
+rank, and given a rank when the diagnosis is made: the global rank that events of the same node
+and local rank name (torchrun's ``[defaultN]:`` echo, its ``attempt_0/N/`` directories), else the
+rank that ≥ 90 % of the ranked events of its file name. Deciding this at the end, from all events,
+keeps it independent of which lines happened to be read first.
 """
 
 from __future__ import annotations
@@ -14,7 +25,7 @@ import math
 import statistics
 from array import array
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from denpex_agent.events import Event
@@ -32,6 +43,7 @@ STRAGGLER_MIN_S = 0.05
 LOSS_SCALE_DROPS_DEGRADED = 3
 HANG_RULE = "hang-rank-stopped-progress"
 KILLED_RULE = "torchrun-worker-sigkill"
+STRAGGLER_RULE = "straggler-slow-rank"
 
 _STAGES = ("none", "info", "warn", "error")
 
@@ -39,50 +51,94 @@ _STAGES = ("none", "info", "warn", "error")
 format_iso = functools.lru_cache(maxsize=65_536)(_format_iso)
 
 
+DOMINANT_SHARE = 0.9  # a file "is" rank r when this share of its ranked events name r
+
+
+def event_order(ev: Event) -> tuple[bool, float, str, int, str]:
+    """The one order of events: local time (unknown last), then file, offset and id."""
+    ts = ev.ts
+    return (ts is None, ts if ts is not None else 0.0, ev.file, ev.offset, ev.id)
+
+
 @dataclass(slots=True)
 class Aggregate:
-    """The first event of one rule on one rank, and how often it recurred."""
+    """The first event (by `event_order`) of one rule on one rank, and how often it recurred."""
 
     first: Event
     count: int = 1
     last_ts: float | None = None
-    seq: int = 0  # arrival order of `first`, the tie-break when times are unknown
+
+    def add(self, ev: Event) -> None:
+        self.count += 1
+        if ev.ts is not None and (self.last_ts is None or ev.ts > self.last_ts):
+            self.last_ts = ev.ts
+        if event_order(ev) < event_order(self.first):
+            self.first = ev
+
+    def merged(self, other: Aggregate) -> Aggregate:
+        first = other.first if event_order(other.first) < event_order(self.first) else self.first
+        lasts = [t for t in (self.last_ts, other.last_ts) if t is not None]
+        return Aggregate(first, self.count + other.count, max(lasts) if lasts else None)
 
 
-class NodeProgress:
-    """One node's progress samples, pooled over its ranks: step -> local times (one per sample).
+class StepSamples:
+    """Values per step, bounded to `MAX_SAMPLES` steps: beyond that only steps that are multiples
+    of a doubled stride are kept. The kept steps are the multiples of the smallest power-of-two
+    stride that leaves at most `MAX_SAMPLES` of the steps seen, whatever order they came in."""
 
-    Clock alignment only needs the node's curve (the median time per step over its ranks), so
-    samples are kept per node, not per rank: memory grows with nodes and steps, bounded to
-    `MAX_SAMPLES` steps per node (beyond that every other step is dropped and only steps that are
-    multiples of the doubled stride are taken). The curve is cached until the node changes.
-    """
-
-    __slots__ = ("_curve", "by_step", "stride")
+    __slots__ = ("by_step", "stride")
 
     def __init__(self) -> None:
         self.by_step: dict[int, array[float]] = {}
         self.stride = 1
-        self._curve: list[tuple[int, float]] | None = None
 
-    def add(self, step: int, ts: float) -> None:
-        times = self.by_step.get(step)
-        if times is None:
+    def add(self, step: int, value: float) -> bool:
+        """Keep ``value`` for ``step``; False when the step is thinned out."""
+        values = self.by_step.get(step)
+        if values is None:
             if step % self.stride:
-                return
-            times = self.by_step[step] = array("d")
+                return False
+            values = self.by_step[step] = array("d")
             if len(self.by_step) > MAX_SAMPLES:
                 self._thin()
-                times = self.by_step.get(step)
-                if times is None:
-                    return
-        times.append(ts)
-        self._curve = None
+                values = self.by_step.get(step)
+                if values is None:
+                    return False
+        values.append(value)
+        return True
 
     def _thin(self) -> None:
-        self.stride *= 2
-        steps = sorted(self.by_step)
-        self.by_step = {s: self.by_step[s] for s in steps[::2]}
+        while len(self.by_step) > MAX_SAMPLES:
+            self.stride *= 2
+            self.by_step = {s: v for s, v in self.by_step.items() if s % self.stride == 0}
+
+    def values(self) -> list[float]:
+        return [v for vs in self.by_step.values() for v in vs]
+
+
+class NodeProgress(StepSamples):
+    """One node's progress samples, pooled over its ranks: step -> local times (one per sample).
+
+    Clock alignment only needs the node's curve (the median time per step over its ranks), so
+    samples are kept per node, not per rank: memory grows with nodes and steps, bounded as
+    `StepSamples` bounds it. The curve is cached until the node changes.
+    """
+
+    __slots__ = ("_curve",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._curve: list[tuple[int, float]] | None = None
+
+    def add(self, step: int, value: float) -> bool:
+        kept = super().add(step, value)
+        if kept:
+            self._curve = None
+        return kept
+
+    def _thin(self) -> None:
+        super()._thin()
+        self._curve = None
 
     def samples(self) -> list[tuple[int, float]]:
         return [(s, t) for s, times in self.by_step.items() for t in times]
@@ -94,9 +150,18 @@ class NodeProgress:
         return self._curve
 
 
+def _progress_order(step: int, ev: Event) -> tuple[int, bool, float, str, int, str]:
+    """Which of two step lines is further along: the higher step, then the later line."""
+    ts = ev.ts
+    return (step, ts is not None, ts if ts is not None else 0.0, ev.file, ev.offset, ev.id)
+
+
 @dataclass(slots=True)
 class RankTrack:
-    """What hang detection, stragglers and the rank table need of one rank (no sample history)."""
+    """What hang detection, stragglers and the rank table need of one rank (no sample history).
+
+    Every progress event moves the rank's last step (the furthest by `_progress_order`); only
+    samples, not tips, feed the node's clock curve and the rank's data times."""
 
     node: str
     rank: int | None
@@ -104,7 +169,7 @@ class RankTrack:
     last_step: int | None = None
     last_step_ts: float | None = None
     last_progress: Event | None = None
-    data_times: array[float] = field(default_factory=lambda: array("d"))
+    data_times: StepSamples | None = None
 
     @property
     def samples(self) -> list[tuple[int, float]]:
@@ -112,21 +177,40 @@ class RankTrack:
         return self.progress.curve()
 
     def add(self, step: int, ts: float | None, ev: Event) -> None:
-        if self.last_step is None or step >= self.last_step:
+        last = self.last_progress
+        if last is None or _progress_order(step, ev) > _progress_order(self.last_step or 0, last):
             self.last_step, self.last_step_ts, self.last_progress = step, ts, ev
-        elif ev.fields.get("last") and self.last_progress is not None:
-            self.last_progress.context = ev.context or self.last_progress.context
-        if ts is None:
+        if ts is None or ev.fields.get("tip"):
             return
         self.progress.add(step, ts)
         dt = ev.fields.get("data_time")
-        if (
-            dt is not None
-            and isinstance(dt, (int, float))
-            and math.isfinite(dt)
-            and len(self.data_times) < MAX_DATA_TIMES
-        ):
-            self.data_times.append(float(dt))
+        if isinstance(dt, (int, float)) and not isinstance(dt, bool) and math.isfinite(dt):
+            if self.data_times is None:
+                self.data_times = StepSamples()
+            self.data_times.add(step, float(dt))
+
+    def copy(self) -> RankTrack:
+        dup = RankTrack(
+            self.node, self.rank, self.progress, self.last_step, self.last_step_ts, self.last_progress
+        )
+        dup.merge(self)
+        return dup
+
+    def merge(self, other: RankTrack) -> None:
+        """Take in what another track of the same rank saw (an unranked file resolved to it)."""
+        if other.last_progress is not None and other.last_step is not None:
+            last = self.last_progress
+            if last is None or _progress_order(other.last_step, other.last_progress) > _progress_order(
+                self.last_step or 0, last
+            ):
+                self.last_step, self.last_step_ts = other.last_step, other.last_step_ts
+                self.last_progress = other.last_progress
+        if other.data_times is not None:
+            if self.data_times is None:
+                self.data_times = StepSamples()
+            for step, values in other.data_times.by_step.items():
+                for v in values:
+                    self.data_times.add(step, v)
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,6 +223,31 @@ class Candidate:
     aligned: float | None
     event: Event | None
     kind: str  # event | hang | killed
+
+
+class _Votes:
+    """Counts of the ranks named for one key (a node's local rank, a file)."""
+
+    __slots__ = ("counts",)
+
+    def __init__(self) -> None:
+        self.counts: dict[int, int] = {}
+
+    def add(self, rank: int) -> None:
+        self.counts[rank] = self.counts.get(rank, 0) + 1
+
+    def unique(self) -> int | None:
+        """The one rank named, if only one is (the most named, lowest first, when several are)."""
+        if not self.counts:
+            return None
+        return min(self.counts, key=lambda r: (-self.counts[r], r))
+
+    def dominant(self) -> int | None:
+        if not self.counts:
+            return None
+        rank = self.unique()
+        assert rank is not None
+        return rank if self.counts[rank] >= DOMINANT_SHARE * sum(self.counts.values()) else None
 
 
 class Engine:
@@ -157,119 +266,183 @@ class Engine:
         self.lookback_s = lookback_s
         self._now = now
         self.aggs: dict[tuple[str, int | None, str], Aggregate] = {}
+        # events that name no global rank, until the diagnosis gives them one
+        self.unranked: dict[tuple[str, str, int | None, str], Aggregate] = {}
         self.tracks: dict[tuple[str, int | None], RankTrack] = {}
+        self.unranked_tracks: dict[tuple[str, str, int | None], RankTrack] = {}
         self.progress: dict[str, NodeProgress] = {}  # node -> its ranks' pooled progress samples
-        self.local_ranks: dict[tuple[str, int], int] = {}  # (node, local_rank) -> global rank
+        self.local_votes: dict[tuple[str, int], _Votes] = {}  # (node, local rank) -> global ranks
+        self.file_votes: dict[tuple[str, str], _Votes] = {}  # (node, file) -> ranks its events name
         self.agent_offsets: dict[str, tuple[float, float]] = {}
         self.events_seen = 0
         self.rank_events: dict[tuple[str, int | None], int] = {}  # rule events per (node, rank)
         self.failing_aggs = 0  # aggregates whose first event is an error or worse
         self.candidate_aggs = 0  # aggregates whose first event may name the initiator
-        self._seq = 0
 
     # -- input ----------------------------------------------------------------------------------
 
-    def add(self, ev: Event, *, place: bool = True) -> None:
-        """Fold one event in. With `place=False` (a match event fed ahead of the events queued
-        before it, see `denpexd.jobs`), what depends on arrival order among all kinds (the
-        local-rank map and the order in which rank tracks appear) is left to `place(ev)`, which
-        the caller runs at the event's original position; the end state is then the same as if
-        every event had been added in arrival order."""
-        if place and ev.kind == "progress":
+    def add(self, ev: Event) -> None:
+        """Fold one event in (in any order: see the module's docstring)."""
+        if ev.kind == "progress":
             self.add_progress(ev)
             return
         self.events_seen += 1
-        self._seq += 1
-        if place and ev.rank is not None and ev.local_rank is not None:
-            self.local_ranks[(ev.node, ev.local_rank)] = ev.rank
         if ev.kind == "heartbeat":
             off = ev.fields.get("clock_offset_s")
             unc = ev.fields.get("clock_uncertainty_s")
             if isinstance(off, (int, float)) and isinstance(unc, (int, float)):
-                # the agent reports daemon-minus-agent; a node's offset is local-minus-reference
-                self.agent_offsets[ev.node] = (-float(off), float(unc))
-            return
-        if ev.kind == "progress":
-            self._add_step(ev)
+                # the agent reports daemon-minus-agent; a node's offset is local-minus-reference.
+                # The most certain estimate wins (ties: the smaller offset), whatever the order.
+                cand = (-float(off), float(unc))
+                cur = self.agent_offsets.get(ev.node)
+                if cur is None or (cand[1], cand[0]) < (cur[1], cur[0]):
+                    self.agent_offsets[ev.node] = cand
             return
         if ev.rule is None:
             return
-        if place and ev.rank is not None:
-            self._track(ev.node, ev.rank)
+        self._vote(ev)
+        if ev.rank is None:
+            ukey = (ev.node, ev.file, ev.local_rank, ev.rule)
+            uagg = self.unranked.get(ukey)
+            if uagg is None:
+                self.unranked[ukey] = Aggregate(first=ev, last_ts=ev.ts)
+                self._count_new(ev)
+            else:
+                uagg.add(ev)
+            return
+        self._track(ev.node, ev.rank)
         key = (ev.node, ev.rank, ev.rule)
         nr = (ev.node, ev.rank)
         self.rank_events[nr] = self.rank_events.get(nr, 0) + 1
         agg = self.aggs.get(key)
         if agg is None:
-            self.aggs[key] = Aggregate(first=ev, last_ts=ev.ts, seq=self._seq)
-            if ev.role in ("root-cause", "symptom"):
-                self.candidate_aggs += 1
-            if SEVERITIES.index(ev.severity or "info") >= ERROR:
-                self.failing_aggs += 1
+            self.aggs[key] = Aggregate(first=ev, last_ts=ev.ts)
+            self._count_new(ev)
             return
-        agg.count += 1
-        if ev.ts is not None and (agg.last_ts is None or ev.ts > agg.last_ts):
-            agg.last_ts = ev.ts
-        if ev.ts is not None and (agg.first.ts is None or ev.ts < agg.first.ts):
-            agg.first, agg.seq = ev, self._seq
+        agg.add(ev)
+
+    def _count_new(self, ev: Event) -> None:
+        if ev.role in ("root-cause", "symptom"):
+            self.candidate_aggs += 1
+        if SEVERITIES.index(ev.severity or "info") >= ERROR:
+            self.failing_aggs += 1
+
+    def _vote(self, ev: Event) -> None:
+        if ev.rank is None or ev.fields.get("tip"):
+            return
+        if ev.local_rank is not None:
+            lv = self.local_votes.get((ev.node, ev.local_rank))
+            if lv is None:
+                lv = self.local_votes[(ev.node, ev.local_rank)] = _Votes()
+            lv.add(ev.rank)
+        fv = self.file_votes.get((ev.node, ev.file))
+        if fv is None:
+            fv = self.file_votes[(ev.node, ev.file)] = _Votes()
+        fv.add(ev.rank)
 
     def add_progress(self, ev: Event) -> None:
         """`add(ev)` for an event known to be of kind "progress" (the bulk of live traffic)."""
         self.events_seen += 1
-        self._seq += 1
-        if ev.rank is not None and ev.local_rank is not None:
-            self.local_ranks[(ev.node, ev.local_rank)] = ev.rank
-        self._add_step(ev)
-
-    def _add_step(self, ev: Event) -> None:
         step = ev.fields.get("step")
-        if isinstance(step, int):
+        if not isinstance(step, int):
+            return
+        if ev.rank is None:
+            ukey = (ev.node, ev.file, ev.local_rank)
+            track = self.unranked_tracks.get(ukey)
+            if track is None:
+                track = self.unranked_tracks[ukey] = RankTrack(ev.node, None, self._node(ev.node))
+        else:
+            self._vote(ev)
             track = self.tracks.get((ev.node, ev.rank))
             if track is None:
                 track = self._track(ev.node, ev.rank)
-            track.add(step, ev.ts, ev)
+        track.add(step, ev.ts, ev)
 
-    def place(self, ev: Event) -> None:
-        """The order-dependent part of `add(ev, place=False)`, run at the event's arrival position."""
-        if ev.rank is not None and ev.local_rank is not None:
-            self.local_ranks[(ev.node, ev.local_rank)] = ev.rank
-        if ev.kind == "match" and ev.rule is not None and ev.rank is not None:
-            self._track(ev.node, ev.rank)
+    def _node(self, node: str) -> NodeProgress:
+        p = self.progress.get(node)
+        if p is None:
+            p = self.progress[node] = NodeProgress()
+        return p
 
     def _track(self, node: str, rank: int | None) -> RankTrack:
         t = self.tracks.get((node, rank))
         if t is None:
-            p = self.progress.get(node)
-            if p is None:
-                p = self.progress[node] = NodeProgress()
-            t = self.tracks[(node, rank)] = RankTrack(node=node, rank=rank, progress=p)
+            t = self.tracks[(node, rank)] = RankTrack(node=node, rank=rank, progress=self._node(node))
         return t
+
+    # -- ranks ----------------------------------------------------------------------------------
+
+    def resolve_rank(self, node: str, file: str, local_rank: int | None) -> int | None:
+        """The global rank of an event that named none (see the module's docstring)."""
+        if local_rank is not None:
+            lv = self.local_votes.get((node, local_rank))
+            if lv is not None:
+                return lv.unique()
+        fv = self.file_votes.get((node, file))
+        return fv.dominant() if fv is not None else None
+
+    def _resolved(
+        self,
+    ) -> tuple[dict[tuple[str, int | None, str], Aggregate], dict[tuple[str, int | None], RankTrack]]:
+        """Aggregates and tracks with the unranked ones given their rank (new objects where
+        anything merges; the engine's own state is never changed by a diagnosis)."""
+        aggs = self.aggs
+        if self.unranked:
+            aggs = dict(aggs)
+            for (node, file, local, rule), ua in sorted(
+                self.unranked.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2] or -1, kv[0][3])
+            ):
+                key = (node, self.resolve_rank(node, file, local), rule)
+                cur = aggs.get(key)
+                aggs[key] = ua if cur is None else cur.merged(ua)
+        tracks = self.tracks
+        if self.unranked_tracks:
+            tracks = dict(tracks)
+            copied: set[tuple[str, int | None]] = set()
+            for (node, file, local), ut in sorted(
+                self.unranked_tracks.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2] or -1)
+            ):
+                nr = (node, self.resolve_rank(node, file, local))
+                t = tracks.get(nr)
+                if nr not in copied:
+                    t = tracks[nr] = t.copy() if t is not None else RankTrack(node, nr[1], ut.progress)
+                    copied.add(nr)
+                assert t is not None
+                t.merge(ut)
+        return aggs, tracks
 
     # -- analysis -------------------------------------------------------------------------------
 
     def nodes(self) -> list[str]:
-        return sorted({n for n, _ in self.tracks} | {n for n, _, _ in self.aggs})
+        return sorted(
+            {n for n, _ in self.tracks}
+            | {n for n, _, _ in self.aggs}
+            | {n for n, _, _, _ in self.unranked}
+            | {n for n, _, _ in self.unranked_tracks}
+        )
 
     def clocks(self) -> dict[str, ClockEstimate]:
         curves = {node: p.curve() for node, p in self.progress.items()}
-        ref = next(
-            (n for (n, r) in sorted(self.tracks, key=lambda k: (k[1] is None, k[1] or 0)) if r == 0), None
-        )
+        ref = min((n for (n, r) in self.tracks if r == 0), default=None)
         return align(curves, self.nodes(), reference=ref, agent_offsets=self.agent_offsets, precomputed=True)
 
     def _rule(self, rule_id: str) -> Rule | None:
         return self.rules.get(rule_id)
 
-    def _global_rank(self, node: str, local_rank: int) -> int | None:
-        if (node, local_rank) in self.local_ranks:
-            return self.local_ranks[(node, local_rank)]
-        ranks = sorted(r for (n, r) in self.tracks if n == node and r is not None)
+    def _global_rank(
+        self, node: str, local_rank: int, tracks: dict[tuple[str, int | None], RankTrack]
+    ) -> int | None:
+        lv = self.local_votes.get((node, local_rank))
+        if lv is not None:
+            return lv.unique()
+        ranks = sorted(r for (n, r) in tracks if n == node and r is not None)
         if local_rank < len(ranks):
             return ranks[local_rank]
         return None
 
     def diagnose(self) -> dict[str, Any]:
         clocks = self.clocks()
+        aggs, tracks = self._resolved()
 
         def aligned(node: str, ts: float | None) -> float | None:
             return None if ts is None else ts - clocks[node].offset_s if node in clocks else ts
@@ -277,149 +450,145 @@ class Engine:
         def sev(agg: Aggregate) -> int:
             return SEVERITIES.index(agg.first.severity or "info")
 
-        failing = [a for a in self.aggs.values() if sev(a) >= ERROR]
+        failing = [a for a in aggs.values() if sev(a) >= ERROR]
         failure_start = min(
             (t for a in failing if (t := aligned(a.first.node, a.first.ts)) is not None), default=None
         )
 
-        candidates = self._candidates(failing, failure_start, aligned)
-        hang = None
+        candidates = self._candidates(aggs, tracks, failing, failure_start, aligned)
         if failing and not candidates:
-            hang = self._hang_suspect(aligned)
-            if hang is not None:
-                candidates = hang
+            candidates = self._hang_suspect(aggs, tracks, aligned) or []
         ranked = self._rank_candidates(candidates, clocks)
         initiator = ranked[0] if ranked else None
 
-        stragglers = self._stragglers()
-        scale_drops = sum(a.count for a in self.aggs.values() if self._is_scale_drop(a))
+        stragglers = self._stragglers(tracks)
+        scale_drops = [a for a in aggs.values() if self._is_scale_drop(a)]
+        drops = sum(a.count for a in scale_drops)
+        root_cause = self._root_cause(initiator[0].rule, initiator[0].category) if initiator else None
         if failing:
             verdict = "failed"
-        elif stragglers or scale_drops >= LOSS_SCALE_DROPS_DEGRADED:
+        elif stragglers or drops >= LOSS_SCALE_DROPS_DEGRADED:
             verdict = "degraded"
+            if stragglers:
+                root_cause = self._root_cause(STRAGGLER_RULE, "dataloader")
+            else:
+                first = min(scale_drops, key=lambda a: event_order(a.first)).first
+                root_cause = self._root_cause(first.rule or "", first.category or "")
         else:
             verdict = "healthy"
 
-        collateral = self._collateral(initiator[0] if initiator else None, aligned) if failing else []
+        collateral = self._collateral(aggs, initiator[0] if initiator else None, aligned) if failing else []
         out: dict[str, Any] = {
             "job": self.job,
             "verdict": verdict,
             "initiator": self._candidate_dict(initiator) if initiator else None,
-            "root_cause": self._root_cause(initiator[0]) if initiator else None,
+            "root_cause": root_cause,
             "candidates": [self._candidate_dict(c) for c in ranked],
             "collateral": collateral,
             "collateral_ranks": sorted({c["rank"] for c in collateral if c["rank"] is not None}),
             "suppressed": sum(c["count"] for c in collateral),
             "clock": {n: c.to_dict() for n, c in sorted(clocks.items())},
-            "fingerprints": {"nan": self._nan_fingerprint(aligned)},
+            "fingerprints": {"nan": self._nan_fingerprint(aggs, tracks, aligned)},
             "evidence": self._evidence(initiator[0]) if initiator else None,
             "stragglers": stragglers,
-            "loss_scale_drops": scale_drops,
-            "ranks": self._rank_table(aligned),
-            "stats": {"events": self.events_seen, "aggregates": len(self.aggs)},
+            "loss_scale_drops": drops,
+            "ranks": self._rank_table(tracks, aligned),
+            "stats": {"events": self.events_seen, "aggregates": len(self.aggs) + len(self.unranked)},
         }
         return out
 
     def _candidates(
         self,
+        aggs: dict[tuple[str, int | None, str], Aggregate],
+        tracks: dict[tuple[str, int | None], RankTrack],
         failing: list[Aggregate],
         failure_start: float | None,
         aligned: Callable[[str, float | None], float | None],
     ) -> list[Candidate]:
         if not failing:
             return []
-        roots = [a for a in self.aggs.values() if a.first.role == "root-cause"]
-        root_categories = {a.first.category for a in roots}
+        root_categories = {a.first.category for a in aggs.values() if a.first.role == "root-cause"}
         pool: list[Candidate] = []
-        for a in self.aggs.values():
+        for (node, rank, _rule), a in aggs.items():
             ev = a.first
             if ev.role not in ("root-cause", "symptom"):
                 continue
             if ev.role == "symptom" and root_categories and ev.category not in root_categories:
                 continue  # a symptom of another story (e.g. a NET warning before an OOM)
-            at = aligned(ev.node, ev.ts)
+            at = aligned(node, ev.ts)
             if at is not None and failure_start is not None and at < failure_start - self.lookback_s:
                 continue
-            rank = ev.rank
-            kind = "event"
             if rank is None and isinstance(ev.fields.get("local_rank"), int):
-                rank = self._global_rank(ev.node, ev.fields["local_rank"])
-            pool.append(Candidate(ev.node, rank, ev.rule or "", ev.category or "", ev.ts, at, ev, kind))
+                rank = self._global_rank(node, ev.fields["local_rank"], tracks)
+            pool.append(Candidate(node, rank, ev.rule or "", ev.category or "", ev.ts, at, ev, "event"))
         if not pool:
             # torchrun saw a worker die by SIGKILL and nothing else names a cause: that worker.
             for a in failing:
-                f = a.first.fields
+                ev = a.first
+                f = ev.fields
                 if f.get("signal") == 9 or f.get("exitcode") == -9:
                     rank = f.get("culprit_rank")
                     if not isinstance(rank, int) and isinstance(f.get("local_rank"), int):
-                        rank = self._global_rank(a.first.node, f["local_rank"])
-                    ev = a.first
+                        rank = self._global_rank(ev.node, f["local_rank"], tracks)
+                    at = aligned(ev.node, ev.ts)
                     pool.append(
-                        Candidate(
-                            ev.node,
-                            rank,
-                            KILLED_RULE,
-                            "process-killed",
-                            ev.ts,
-                            aligned(ev.node, ev.ts),
-                            ev,
-                            "killed",
-                        )
+                        Candidate(ev.node, rank, KILLED_RULE, "process-killed", ev.ts, at, ev, "killed")
                     )
         return pool
 
-    def _hang_suspect(self, aligned: Callable[[str, float | None], float | None]) -> list[Candidate] | None:
+    def _hang_suspect(
+        self,
+        aggs: dict[tuple[str, int | None, str], Aggregate],
+        tracks: dict[tuple[str, int | None], RankTrack],
+        aligned: Callable[[str, float | None], float | None],
+    ) -> list[Candidate] | None:
         """No rank names a cause but ranks time out: the rank whose progress stopped first."""
-        ranks = [t for t in self.tracks.values() if t.rank is not None]
+        ranks = [t for t in tracks.values() if t.rank is not None]
         if not ranks:
             return None
-        loud = {
-            (n, r) for (n, r, _rule), a in self.aggs.items() if r is not None and a.first.role != "progress"
-        }
+        loud = {(n, r) for (n, r, _rule), a in aggs.items() if r is not None and a.first.role != "progress"}
         hints: dict[int, int] = {}
-        for a in self.aggs.values():
+        for a in aggs.values():
             cr = a.first.fields.get("culprit_rank")
             if isinstance(cr, int) and a.first.category in ("hang", "communication"):
                 hints[cr] = hints.get(cr, 0) + a.count
 
-        def key(t: RankTrack) -> tuple[int, int, int, float]:
-            hinted = -hints.get(t.rank or -1, 0)
+        def key(t: RankTrack) -> tuple[int, int, int, float, int, str]:
+            hinted = -hints.get(t.rank if t.rank is not None else -1, 0)
             silent = 0 if (t.node, t.rank) not in loud else 1
             step = t.last_step if t.last_step is not None else -1
             at = aligned(t.node, t.last_step_ts)
-            return (hinted, silent, step, at if at is not None else math.inf)
+            return (hinted, silent, step, at if at is not None else math.inf, t.rank or 0, t.node)
 
         ordered = sorted(ranks, key=key)
         best = key(ordered[0])
         tied = [t for t in ordered if key(t)[:3] == best[:3]]
-        out = []
-        for t in tied:
-            ev = t.last_progress
-            out.append(
-                Candidate(
-                    t.node,
-                    t.rank,
-                    HANG_RULE,
-                    "hang",
-                    t.last_step_ts,
-                    aligned(t.node, t.last_step_ts),
-                    ev,
-                    "hang",
-                )
+        return [
+            Candidate(
+                t.node,
+                t.rank,
+                HANG_RULE,
+                "hang",
+                t.last_step_ts,
+                aligned(t.node, t.last_step_ts),
+                t.last_progress,
+                "hang",
             )
-        return out
+            for t in tied
+        ]
 
     def _rank_candidates(
         self, pool: list[Candidate], clocks: dict[str, ClockEstimate]
     ) -> list[tuple[Candidate, float]]:
-        """Earliest candidate per rank, best first, each with a confidence that sums to 1."""
+        """Earliest candidate per rank, best first (highest confidence, then earliest), each with
+        a confidence; the confidences sum to 1."""
         best: dict[tuple[str, int | None], Candidate] = {}
         for c in pool:
             k = (c.node, c.rank)
             cur = best.get(k)
-            if cur is None or _before(c, cur):
+            if cur is None or _candidate_order(c) < _candidate_order(cur):
                 best[k] = c
-        ordered = sorted(best.values(), key=_time_key)
+        ordered = sorted(best.values(), key=_candidate_order)
         if not ordered:
             return []
         first = ordered[0]
@@ -458,32 +627,36 @@ class Engine:
             "kind": c.kind,
         }
 
-    def _root_cause(self, c: Candidate) -> dict[str, Any]:
-        rule = self._rule(c.rule)
-        if rule is None:
+    def _root_cause(self, rule_id: str, category: str) -> dict[str, Any]:
+        """What a rule (or an inferred diagnosis: hang, killed, straggler) says about the cause."""
+        found = self.rules.explanation(rule_id)
+        if found is None:
             return {
-                "rule": c.rule,
-                "title": c.rule,
-                "category": c.category,
+                "rule": rule_id,
+                "title": rule_id,
+                "category": category,
                 "root_cause": "",
                 "fix": "",
                 "verify": "",
             }
         return {
-            "rule": rule.id,
-            "title": rule.title,
-            "category": rule.category,
-            "root_cause": rule.root_cause,
-            "fix": rule.fix,
-            "verify": rule.verify,
-            "references": list(rule.references),
+            "rule": found.id,
+            "title": found.title,
+            "category": found.category,
+            "root_cause": found.root_cause,
+            "fix": found.fix,
+            "verify": found.verify,
+            "references": list(found.references),
         }
 
     def _collateral(
-        self, initiator: Candidate | None, aligned: Callable[[str, float | None], float | None]
+        self,
+        aggs: dict[tuple[str, int | None, str], Aggregate],
+        initiator: Candidate | None,
+        aligned: Callable[[str, float | None], float | None],
     ) -> list[dict[str, Any]]:
         out = []
-        for (node, rank, rule_id), a in self.aggs.items():
+        for (node, rank, rule_id), a in aggs.items():
             ev = a.first
             if SEVERITIES.index(ev.severity or "info") < WARNING:
                 continue
@@ -515,19 +688,24 @@ class Engine:
         )
         return out
 
-    def _nan_fingerprint(self, aligned: Callable[[str, float | None], float | None]) -> dict[str, Any]:
+    def _nan_fingerprint(
+        self,
+        aggs: dict[tuple[str, int | None, str], Aggregate],
+        tracks: dict[tuple[str, int | None], RankTrack],
+        aligned: Callable[[str, float | None], float | None],
+    ) -> dict[str, Any]:
         per_rank: dict[int, int] = {}
-        first: tuple[float, int] | None = None
-        for (node, rank, rule_id), a in self.aggs.items():
+        first: tuple[float, int, str] | None = None
+        for (node, rank, rule_id), a in aggs.items():
             rule = self._rule(rule_id)
             if rule is None or rule.fingerprint != "nan" or rank is None:
                 continue
             stage = 3 if rule.severity_level >= ERROR else 2
             per_rank[rank] = max(per_rank.get(rank, 0), stage)
             at = aligned(node, a.first.ts)
-            if at is not None and (first is None or at < first[0]):
-                first = (at, rank)
-        for (_node, rank), t in self.tracks.items():
+            if at is not None and (first is None or (at, rank, node) < first):
+                first = (at, rank, node)
+        for (_node, rank), t in tracks.items():
             if rank is not None and t.last_step is not None:
                 per_rank[rank] = max(per_rank.get(rank, 0), 1)
         stage = max(per_rank.values(), default=0)
@@ -544,10 +722,12 @@ class Engine:
             return None
         return {"file": ev.file, "line": ev.line_no, "before": list(ev.context), "text": ev.text}
 
-    def _stragglers(self) -> list[dict[str, Any]]:
-        medians = {
-            k: statistics.median(t.data_times) for k, t in self.tracks.items() if len(t.data_times) >= 3
-        }
+    def _stragglers(self, tracks: dict[tuple[str, int | None], RankTrack]) -> list[dict[str, Any]]:
+        medians = {}
+        for k, t in tracks.items():
+            values = t.data_times.values() if t.data_times is not None else []
+            if len(values) >= 3:
+                medians[k] = statistics.median(values)
         if len(medians) < 2:
             return []
         out = []
@@ -569,10 +749,14 @@ class Engine:
             and "scale" in rule.id
         )
 
-    def _rank_table(self, aligned: Callable[[str, float | None], float | None]) -> list[dict[str, Any]]:
+    def _rank_table(
+        self,
+        tracks: dict[tuple[str, int | None], RankTrack],
+        aligned: Callable[[str, float | None], float | None],
+    ) -> list[dict[str, Any]]:
         rows = []
         for (node, rank), t in sorted(
-            self.tracks.items(), key=lambda kv: (kv[0][1] is None, kv[0][1] or 0, kv[0][0])
+            tracks.items(), key=lambda kv: (kv[0][1] is None, kv[0][1] or 0, kv[0][0])
         ):
             at = aligned(node, t.last_step_ts)
             rows.append(
@@ -587,9 +771,15 @@ class Engine:
         return rows
 
 
-def _time_key(c: Candidate) -> tuple[int, float, int]:
-    return (0, c.aligned, 0) if c.aligned is not None else (1, 0.0, 0)
-
-
-def _before(a: Candidate, b: Candidate) -> bool:
-    return _time_key(a) < _time_key(b)
+def _candidate_order(c: Candidate) -> tuple[bool, float, bool, int, str, tuple[bool, float, str, int, str]]:
+    """Earliest aligned time first; at equal times a named rank before an unknown one, then by
+    rank, node and the event's own order: one rule, whatever the arrival order."""
+    ev_key = event_order(c.event) if c.event is not None else (True, 0.0, "", 0, "")
+    return (
+        c.aligned is None,
+        c.aligned if c.aligned is not None else 0.0,
+        c.rank is None,
+        c.rank if c.rank is not None else 0,
+        c.node,
+        ev_key,
+    )

@@ -181,10 +181,9 @@ class JobTable:
         """Feed a batch's match events to the engine now, ahead of the batches queued before it.
 
         Ingest calls this for a batch that carries match events as soon as it is validated, then
-        `submit`s the same batch in its arrival order; `_process` then stores those events and
-        runs `Engine.place` for them at their original position, so the engine ends in the state
-        that arrival order gives (rank tracks, local-rank map) while a failure is diagnosed
-        without waiting behind the progress backlog.
+        `submit`s the same batch in its arrival order; `_process` then stores those events at
+        their place in the backlog. The engine's state does not depend on the order events are
+        added in, so feeding them early changes nothing but how soon a failure is diagnosed.
         """
         state = self._open(batch.job)
         seen, hoisted, engine, received = state.seen, state.hoisted, state.engine, self._mono()
@@ -198,7 +197,7 @@ class JobTable:
             if len(seen) > limit:
                 seen.popitem(last=False)
             hoisted.add(ev.id)
-            engine.add(ev, place=False)
+            engine.add(ev)
             fed = True
             if ev.rule is not None:
                 key = (ev.node, ev.rank, ev.rule)
@@ -282,8 +281,7 @@ class JobTable:
         newest: float | None = None
         for ev in batch.events:
             if hoisted and ev.id in hoisted:
-                hoisted.discard(ev.id)  # fed ahead by `hoist`: place it here, in arrival order
-                engine.place(ev)
+                hoisted.discard(ev.id)  # fed ahead by `hoist`: stored here, in arrival order
             elif ev.id in seen:
                 dups[ev.kind] += 1
                 continue

@@ -129,9 +129,20 @@ RULE_FILES = sorted(RULES_DIR.glob("*.toml"))
 def test_rule_file_self_test(rule_file: Path) -> None:
     # Load the whole library (related ids may point into other files) and self-test this file's rules.
     mine = [r for r in RULES if Path(r.source).name == rule_file.name]
-    assert mine, f"{rule_file.name} contributed no rules"
+    explained = [e for e in RULES.explanations if Path(e.source).name == rule_file.name]
+    assert mine or explained, f"{rule_file.name} contributed no rules"
     failures = self_test(mine)
     assert not failures, "\n".join(f"{f.rule_id}: {f.reason}" for f in failures)
+
+
+def test_every_inferred_diagnosis_is_explained() -> None:
+    """Hang, killed and straggler diagnoses carry why / fix / verify like every matched rule."""
+    from denpexd.engine import HANG_RULE, KILLED_RULE, STRAGGLER_RULE
+
+    for rid in (HANG_RULE, KILLED_RULE, STRAGGLER_RULE):
+        found = RULES.explanation(rid)
+        assert found is not None, rid
+        assert found.root_cause and found.fix and found.verify, rid
 
 
 def test_category_files_are_present() -> None:

@@ -118,16 +118,58 @@ def test_events_do_not_depend_on_chunk_boundaries(unit_matcher: Matcher, sizes: 
     assert pieces == whole
 
 
-def test_progress_every_line_or_sampled(unit_matcher: Matcher) -> None:
-    lines = "".join(
-        f"2026-11-29 12:00:{i // 10:02d},{i % 10}00 INFO [rank0] step {i} | loss 1.5\n" for i in range(200)
-    )
-    every = [e for e in _scan(unit_matcher, lines.encode()) if e.kind == "progress"]
+def _step_lines(n: int, pad: int = 0) -> bytes:
+    return "".join(
+        f"2026-11-29 12:{i // 600:02d}:{i // 10 % 60:02d},{i % 10}00 INFO [rank0] step {i} | loss 1.5{' ' * pad}\n"
+        for i in range(n)
+    ).encode()
+
+
+def test_progress_samples_every_dense_line_then_one_per_bucket(unit_matcher: Matcher) -> None:
+    data = _step_lines(200)
+    every = [e for e in _scan(unit_matcher, data) if e.kind == "progress" and not e.fields.get("tip")]
     assert [e.fields["step"] for e in every] == list(range(200))
-    sampled = [e for e in _scan(unit_matcher, lines.encode(), progress_stride=2048) if e.kind == "progress"]
-    steps = [e.fields["step"] for e in sampled]
-    assert 3 <= len(steps) < 50
-    assert steps[-1] == 199 and sampled[-1].fields.get("last") is True  # the file's last step is always kept
+    sampled = [e for e in _scan(unit_matcher, data, dense_bytes=1024, stride=2048) if e.kind == "progress"]
+    samples = [e for e in sampled if not e.fields.get("tip")]
+    line_starts = [0]
+    for line in data.splitlines(keepends=True)[:-1]:
+        line_starts.append(line_starts[-1] + len(line))
+    want = [o for o in line_starts if o < 1024]  # every line that starts in the dense part ...
+    seen: set[int] = set()
+    for o in line_starts:  # ... then the first line that starts in each bucket
+        if o >= 1024 and (o - 1024) // 2048 not in seen:
+            seen.add((o - 1024) // 2048)
+            want.append(o)
+    assert [e.offset for e in samples] == want
+    tip = sampled[-1]
+    assert tip.fields["step"] == 199 and tip.fields.get("last") is True and tip.fields.get("tip") is True
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(min_value=1, max_value=3000), min_size=1, max_size=12))
+def test_samples_do_not_depend_on_read_sizes(unit_matcher: Matcher, sizes: list[int]) -> None:
+    data = _step_lines(400, pad=7)
+    kw = {"dense_bytes": 3000, "stride": 1500}
+
+    def samples(got: list[Event]) -> list[tuple[object, ...]]:
+        return [_key(e) for e in got if e.kind == "progress" and not e.fields.get("tip")]
+
+    assert samples(_scan(unit_matcher, data, sizes, **kw)) == samples(_scan(unit_matcher, data, **kw))
+
+
+def test_a_resumed_scanner_samples_what_an_uninterrupted_one_does(unit_matcher: Matcher) -> None:
+    data = _step_lines(400, pad=3)
+    kw = {"dense_bytes": 2000, "stride": 1700}
+    whole = [e.offset for e in _scan(unit_matcher, data, **kw) if e.kind == "progress" and not e.fields.get("tip")]
+    for cut_line in (17, 60, 133, 301):
+        cut = sum(len(line) for line in data.splitlines(keepends=True)[:cut_line])
+        first = LineScanner(unit_matcher, _source(), **kw)
+        got = [e for e in first.feed(data[:cut]) if e.kind == "progress"]
+        resumed = LineScanner(
+            unit_matcher, _source(), start_offset=first.offset, sampled_bucket=first.sampled_bucket, **kw
+        )
+        got += resumed.feed(data[first.offset :]) + resumed.finish()
+        assert sorted({e.offset for e in got if not e.fields.get("tip")}) == whole, cut_line
 
 
 def test_truncated_line_carries_a_marker(unit_matcher: Matcher) -> None:
@@ -181,7 +223,7 @@ def test_discovery_warns_about_missing_empty_and_non_log_inputs(
     (tmp_path / "job" / "node1" / "model.bin").write_bytes(b"\x00" * 10)
     report = ReadReport()
     files = discover([tmp_path / "job", tmp_path / "missing"], None, report)
-    assert [f.rel for f in files] == ["node1/rank0.log"]
+    assert [f.rel for f in files] == ["job/node1/rank0.log"]  # several paths: each under its name
     assert any("missing" in w and "cannot read" in w for w in report.warnings)
     assert list(read_files(files, unit_matcher, "j", report)) == []
     assert report.files == 1

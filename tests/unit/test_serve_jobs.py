@@ -86,10 +86,15 @@ async def _run(tmp: Path, library: RuleSet, batches: list[wire.Batch], shortcut:
             "acks": sorted(acks),
             "seen": list(state.seen),
             "tracks": {
-                k: (t.last_step, t.last_step_ts, t.last_progress and t.last_progress.id, list(t.data_times))
+                k: (
+                t.last_step,
+                t.last_step_ts,
+                t.last_progress and t.last_progress.id,
+                t.data_times.values() if t.data_times else [],
+            )
                 for k, t in engine.tracks.items()
             },
-            "local_ranks": engine.local_ranks,
+            "local_ranks": {k: v.counts for k, v in engine.local_votes.items()},
             "events_seen": engine.events_seen,
             "diagnosis": engine.diagnose(),
             "stored": sorted(e.id for e in events),

@@ -17,6 +17,7 @@ from denpex_agent.tailer import HEAD_BYTES, Tailer
 
 MATCHER = Matcher(load_rules())
 ILLEGAL = "RuntimeError: CUDA error: an illegal memory access was encountered"
+AFTER = "2026-11-29 12:01:00,000 INFO the next line\n"  # an error waits for the line after it (a C++ stack?)
 
 
 @pytest.fixture
@@ -69,7 +70,7 @@ def test_copytruncate_regrowing_past_the_position_is_noticed_for_a_file_that_sta
     path, t = _one_file(tmp_path, tailers, "")
     assert len(t.files) == 1 and t.files[0].pos == 0
 
-    path.write_text(_lines("old", 40) + ILLEGAL + " first\n")
+    path.write_text(_lines("old", 40) + ILLEGAL + " first\n" + AFTER)
     events, _, _ = t.poll(1 << 20)
     assert [e.line_no for e in _matches(events)] == [41]
     old_size = path.stat().st_size
@@ -79,7 +80,7 @@ def test_copytruncate_regrowing_past_the_position_is_noticed_for_a_file_that_sta
     with path.open("r+") as fh:
         fh.truncate(0)
     with path.open("a") as fh:
-        fh.write(_lines("new", 60) + ILLEGAL + " second\n")
+        fh.write(_lines("new", 60) + ILLEGAL + " second\n" + AFTER)
     assert path.stat().st_size > old_size
     events, _, _ = t.poll(1 << 20)
 
@@ -116,7 +117,7 @@ def test_a_file_resumed_from_a_checkpoint_then_rewritten_in_place_restarts(
     assert t2.files[0].pos == path.stat().st_size  # resumed where the checkpoint said
     # rewritten in place (same inode, as many bytes and more): only the first bytes tell
     with path.open("r+") as fh:
-        fh.write(_lines("NEW", 30) + ILLEGAL + "\n")
+        fh.write(_lines("NEW", 30) + ILLEGAL + "\n" + AFTER)
     events, _, _ = t2.poll(1 << 20)
     assert t2.stats.truncations == 1
     assert [e.line_no for e in _matches(events)] == [31]
@@ -129,9 +130,45 @@ def test_reads_stop_at_the_size_seen_and_pick_up_the_rest(tmp_path: Path, tailer
     assert t.files[0].pos == size
     fd = os.open(path, os.O_WRONLY | os.O_APPEND)
     try:
-        os.write(fd, (ILLEGAL + "\n").encode())
+        os.write(fd, (ILLEGAL + "\n" + AFTER).encode())
     finally:
         os.close(fd)
     events, marks, more = t.poll(1 << 20)
     assert not more and [e.line_no for e in _matches(events)] == [11]
     assert marks[-1].offset == path.stat().st_size
+
+
+def test_a_traceback_split_across_reads_is_one_event_and_a_dead_writer_s_record_closes(
+    tmp_path: Path, tailers: list[Tailer]
+) -> None:
+    """The header and the first frame in one read, a quiet spell longer than FOLD_IDLE_S, then
+    the exception line: one event, as post-mortem. A record whose writer died open is taken as
+    it is after the fold timeout, not before."""
+    now = [1000.0]
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    path = logs / "rank0.log"
+    path.write_text(_lines("x", 3))
+    t = Tailer(
+        (str(logs / "rank*.log"),), MATCHER, Checkpoints(tmp_path / "state", "a"), job="j", node="n",
+        agent="a", progress_interval=0.0, fold_timeout=5.0, clock=lambda: now[0],
+    )  # fmt: skip
+    tailers.append(t)
+    t.discover()
+    t.poll(1 << 20)
+
+    def write(text: str, wait: float) -> list[Event]:
+        with path.open("a") as fh:
+            fh.write(text)
+        got = _matches(t.poll(1 << 20)[0])
+        now[0] += wait
+        return got + _matches(t.poll(1 << 20)[0])
+
+    assert write('Traceback (most recent call last):\n  File "train.py", line 9, in <module>\n', 1.0) == []
+    (ev,) = write("KeyError: 'shard-9'\n", 0.5)  # complete once the file is quiet after it
+    assert ev.rule == "python-traceback" and ev.line_no == 4
+    assert ev.text.startswith("Traceback") and ev.text.endswith("KeyError: 'shard-9'")
+    assert write("Traceback (most recent call last):\n", 4.0) == []  # not yet: under the fold timeout
+    now[0] += 1.5
+    (dead,) = _matches(t.poll(1 << 20)[0])  # the writer died after the header: taken as it is
+    assert dead.line_no == 7 and dead.text == "Traceback (most recent call last):"
