@@ -135,7 +135,6 @@ class Agent:
         self._pending_clock: dict[float, float] = {}
         self._reported: dict[str, int] = {}
         self._views_at = -1e18
-        self._metrics_at = 0.0
         self.published_events = 0
 
     # -- control --------------------------------------------------------------------------------
@@ -239,6 +238,8 @@ class Agent:
             if now >= next_discovery:
                 self.tailer.discover()
                 next_discovery = now + cfg.discover_interval
+                if len(self._views) != len(self.tailer.files):  # new files: heartbeats name them now
+                    self._views = self._file_views()
             with self._lock:
                 room = cfg.max_inflight_bytes - self._inflight
                 if room <= 0:
@@ -256,9 +257,6 @@ class Agent:
             if read_at - self._views_at >= cfg.heartbeat_interval / 2:
                 self._views_at = read_at
                 self._views = self._file_views()
-            if read_at - self._metrics_at >= 1.0:
-                self._metrics_at = read_at
-                self._update_metrics()
             if not more:
                 stop.wait(cfg.poll_interval)
 
@@ -291,24 +289,33 @@ class Agent:
     # -- the loop's side --------------------------------------------------------------------------
 
     async def _watch_loop(self) -> None:
-        """Heartbeats and the slow-scan watch, on the event loop whatever the reader does."""
+        """Metrics every second, heartbeats and the slow-scan watch every heartbeat interval:
+        on the event loop, whatever the reader does."""
+        tick = min(1.0, self.cfg.heartbeat_interval)
+        next_beat = 0.0
         while True:
-            now = time.time()
-            busy = self._busy_since
-            busy_s = time.monotonic() - busy if busy is not None else 0.0
-            if busy_s >= self.cfg.slow_scan_warning:
-                if not self._slow_reported:
-                    self._slow_reported = True
-                    self.metrics.slow_scans.inc()
-                    log.warning(
-                        "a scan is taking unusually long; heartbeats go on busy_s=%.1f file=%s",
-                        busy_s,
-                        self.tailer.scanning or "-",
-                    )
-            elif busy is None:
-                self._slow_reported = False
-            self._heartbeats(now, busy_s)
-            await asyncio.sleep(self.cfg.heartbeat_interval)
+            self._update_metrics()
+            if time.monotonic() >= next_beat:
+                next_beat = time.monotonic() + self.cfg.heartbeat_interval
+                self._watch()
+            await asyncio.sleep(tick)
+
+    def _watch(self) -> None:
+        now = time.time()
+        busy = self._busy_since
+        busy_s = time.monotonic() - busy if busy is not None else 0.0
+        if busy_s >= self.cfg.slow_scan_warning:
+            if not self._slow_reported:
+                self._slow_reported = True
+                self.metrics.slow_scans.inc()
+                log.warning(
+                    "a scan is taking unusually long; heartbeats go on busy_s=%.1f file=%s",
+                    busy_s,
+                    self.tailer.scanning or "-",
+                )
+        elif busy is None:
+            self._slow_reported = False
+        self._heartbeats(now, busy_s)
 
     def _heartbeats(self, now: float, busy_s: float) -> None:
         est = self.clock_estimate
@@ -343,23 +350,27 @@ class Agent:
     def _update_metrics(self) -> None:
         st = self.tailer.stats
         m = self.metrics
-        lines = sum(f.scanner.stats.lines for f in self.tailer.files)
+        files = list(self.tailer.files)  # the reader thread may change the list meanwhile
+        lines = sum(f.scanner.stats.lines for f in files)
         for key, value, counter in (("bytes", st.bytes_read, m.bytes), ("lines", lines, m.lines)):
             prev = self._reported.get(key, 0)
             if value > prev:
                 counter.inc(value - prev)
             self._reported[key] = value
-        truncated = sum(f.scanner.stats.truncated_lines for f in self.tailer.files)
+        truncated = sum(f.scanner.stats.truncated_lines for f in files)
         prev = self._reported.get("truncated", 0)
         if truncated > prev:
             m.truncated.inc(truncated - prev)
         self._reported["truncated"] = truncated
-        for reason, n in st.warnings.items():
+        warnings = dict(st.warnings)
+        if self.tailer.matcher.timeouts:
+            warnings["pattern-timeout"] = sum(self.tailer.matcher.timeouts.values())
+        for reason, n in warnings.items():
             key = f"warn:{reason}"
             if n > self._reported.get(key, 0):
                 m.warnings.labels(reason=reason).inc(n - self._reported.get(key, 0))
                 self._reported[key] = n
-        m.files.set(len(self.tailer.files))
+        m.files.set(len(files))
         m.read_lag.set(self.tailer.lag_bytes())
         m.checkpoint_lag.set(self._inflight)
 

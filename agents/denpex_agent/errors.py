@@ -24,3 +24,12 @@ class ConfigError(DenpexAgentError):
 
 class LayoutError(DenpexAgentError):
     """A --layout template cannot be used."""
+
+
+class PatternTimeout(DenpexAgentError):
+    """A rule's pattern ran longer than its bound on one line (it backtracks badly on it)."""
+
+    def __init__(self, rule_id: str, pattern: str) -> None:
+        self.rule_id = rule_id
+        self.pattern = pattern
+        super().__init__(f"rule {rule_id!r}: pattern {pattern!r} timed out on a line")

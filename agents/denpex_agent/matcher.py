@@ -23,6 +23,7 @@ from typing import Any
 
 import orjson
 
+from denpex_agent.errors import PatternTimeout
 from denpex_agent.rules import ROLES, Rule, RuleSet
 
 log = logging.getLogger(__name__)
@@ -204,6 +205,7 @@ class Matcher:
         self.rules: list[Rule] = [r for r in rules if r.role != "progress"]
         self.progress_rules: list[Rule] = [r for r in rules if r.role == "progress"]
         self.max_line_chars = max_line_chars
+        self.timeouts: dict[str, int] = {}  # rule id -> lines on which a pattern timed out
         self._order = {r.id: i for i, r in enumerate(self.rules)}
         self._db = PatternDatabase(
             [(i, p, r.ignore_case) for i, r in enumerate(self.rules) for p in r.patterns]
@@ -217,6 +219,18 @@ class Matcher:
     @property
     def accelerated(self) -> bool:
         return _hs is not None
+
+    def search(self, rule: Rule, line: str) -> dict[str, Any] | None:
+        """``rule.search(line)``; a pattern that times out on the line is counted (per rule, in
+        `timeouts`), logged the first time, and taken as not matching."""
+        try:
+            return rule.search(line)
+        except PatternTimeout as exc:
+            n = self.timeouts.get(rule.id, 0) + 1
+            self.timeouts[rule.id] = n
+            if n == 1:
+                log.warning("%s; taken as no match (counted) line_chars=%d", exc, len(line))
+            return None
 
     def _decode(self, buf: bytes, start: int, end: int) -> str:
         if end - start > self.max_line_chars:
@@ -264,7 +278,7 @@ class Matcher:
         pool = self.rules if candidates is None else [self.rules[c] for c in candidates]
         best: tuple[tuple[int, int, int], Rule, dict[str, Any]] | None = None
         for rule in pool:
-            fields = rule.search(line)
+            fields = self.search(rule, line)
             if fields is None:
                 continue
             key = (*_preference(rule), self._order[rule.id])
@@ -308,7 +322,7 @@ class Matcher:
         text = self._decode(data, ls, le)
         for idx in sorted(set(candidates)):
             rule = self.progress_rules[idx]
-            fields = rule.search(text)
+            fields = self.search(rule, text)
             if fields is not None and "step" in fields:
                 return Hit(start=ls, end=le, line=text, rule=rule, fields=fields)
         return None
@@ -333,7 +347,7 @@ class Matcher:
             seen.add((ls, idx))
             line = self._decode(data, ls, le)
             rule = self.progress_rules[idx]
-            fields = rule.search(line)
+            fields = self.search(rule, line)
             if fields is not None and "step" in fields:
                 return Hit(start=start + ls, end=start + le, line=line, rule=rule, fields=fields)
         return None

@@ -20,7 +20,10 @@ A rule file (``rules/<category>.toml``) looks like::
 
 Patterns are Python regular expressions applied to one line (without its newline), searched
 anywhere in it; ``^``/``$`` are the line's ends; a pattern never sees more than its line, so
-``\\s*$`` cannot reach past the newline.
+``\\s*$`` cannot reach past the newline. They run on the ``regex`` engine in its
+``re``-compatible mode (VERSION0), each search bounded by `PATTERN_TIMEOUT_S` and without
+holding the interpreter lock, so a pattern that backtracks badly on some line costs that line
+a bounded time (`PatternTimeout`), never the reader its liveness.
 
 A file may also hold ``[[diagnosis]]`` tables: conclusions the engine draws without a matching
 line (a rank that stopped making progress, a worker killed by a signal, a straggler), each with
@@ -39,7 +42,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from denpex_agent.errors import RuleError
+import regex
+
+from denpex_agent.errors import PatternTimeout, RuleError
 
 SCHEMA = 1
 SEVERITIES = ("info", "warning", "error", "critical")
@@ -66,6 +71,7 @@ STR_FIELDS = frozenset({"node", "exception", "op"})
 FIELD_NAMES = INT_FIELDS | FLOAT_FIELDS | STR_FIELDS
 
 _ID_RE = re.compile(r"^[a-z0-9][a-z0-9-]{1,63}$")
+PATTERN_TIMEOUT_S = 0.1  # one search of one line
 _FILE_KEYS = frozenset({"schema", "category", "rule", "diagnosis"})
 _DIAGNOSIS_KEYS = frozenset({"id", "title", "category", "root_cause", "fix", "verify", "references"})
 _RULE_KEYS = frozenset(
@@ -109,7 +115,7 @@ class Rule:
     severity: str
     role: str
     patterns: tuple[str, ...]
-    regexes: tuple[re.Pattern[str], ...]
+    regexes: tuple[regex.Pattern[str], ...]
     ignore_case: bool
     fingerprint: str | None
     fold: str | None
@@ -123,9 +129,13 @@ class Rule:
     source: str
 
     def search(self, line: str) -> dict[str, int | float | str] | None:
-        """Match one line; return the extracted fields ({} when none) or None."""
+        """Match one line; return the extracted fields ({} when none) or None. Raises
+        `PatternTimeout` when a pattern runs longer than PATTERN_TIMEOUT_S on it."""
         for rx in self.regexes:
-            m = rx.search(line)
+            try:  # positional: (string, pos, endpos, concurrent, partial, timeout) parse fastest
+                m = rx.search(line, 0, None, True, False, PATTERN_TIMEOUT_S)
+            except TimeoutError as exc:
+                raise PatternTimeout(self.id, rx.pattern) from exc
             if m is not None:
                 return convert_fields(m.groupdict())
         return None
@@ -359,10 +369,11 @@ def _build_rule(src: str, raw: Mapping[str, Any], default_category: Any) -> Rule
     )
 
 
-def _compile(src: str, rid: str, pattern: str, ignore_case: bool) -> re.Pattern[str]:
+def _compile(src: str, rid: str, pattern: str, ignore_case: bool) -> regex.Pattern[str]:
     try:
-        rx = re.compile(pattern, re.IGNORECASE if ignore_case else 0)
-    except re.error as exc:
+        re.compile(pattern)  # the syntax rules say `re`: the same text must compile there too
+        rx = regex.compile(pattern, regex.VERSION0 | (regex.IGNORECASE if ignore_case else 0))
+    except (re.error, regex.error) as exc:
         raise RuleError(src, rid, f"pattern {pattern!r} does not compile: {exc}") from exc
     bad = set(rx.groupindex) - FIELD_NAMES
     if bad:
@@ -399,7 +410,11 @@ def self_test(rules: Iterable[Rule]) -> list[SelfTestFailure]:
     failures: list[SelfTestFailure] = []
     for rule in rules:
         for ex in rule.examples:
-            got = rule.search(ex.text)
+            try:
+                got = rule.search(ex.text)
+            except PatternTimeout as exc:
+                failures.append(SelfTestFailure(rule.source, rule.id, f"example {ex.text!r}: {exc}"))
+                continue
             if got is None:
                 failures.append(SelfTestFailure(rule.source, rule.id, f"example does not match: {ex.text!r}"))
                 continue
@@ -413,6 +428,11 @@ def self_test(rules: Iterable[Rule]) -> list[SelfTestFailure]:
                         )
                     )
         for cx in rule.counterexamples:
-            if rule.search(cx) is not None:
+            try:
+                matched = rule.search(cx) is not None
+            except PatternTimeout as exc:
+                failures.append(SelfTestFailure(rule.source, rule.id, f"counterexample {cx!r}: {exc}"))
+                continue
+            if matched:
                 failures.append(SelfTestFailure(rule.source, rule.id, f"counterexample matches: {cx!r}"))
     return failures

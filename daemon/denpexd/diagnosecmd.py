@@ -48,6 +48,8 @@ def diagnose_paths(
         engine.add(ev)
     if bar:
         bar.close()
+    for rule_id, n in sorted(matcher.timeouts.items()):
+        report.warn(f"rule {rule_id}: a pattern timed out on {n} line(s) (taken as no match)")
     result = engine.diagnose()
     result["read"] = {
         "files": report.files,

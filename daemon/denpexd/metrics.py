@@ -163,9 +163,9 @@ class Metrics:
 
     def remove_job(self, job: str, labels: dict[str, Any]) -> None:
         """Forget every per-job series of a closed job (`labels` remembers the failed gauge's)."""
-        failed = labels.get("failed")
+        failed = labels.get("failed")  # the gauge's whole labelset, job first
         if failed is not None:
-            _remove(self.job_failed, job, *failed)
+            _remove(self.job_failed, *failed)
         for stage in STAGES:
             _remove(self.nan_stage, job, stage)
             _remove(self.nan_ranks, job, stage)
