@@ -1,10 +1,11 @@
 """The agent's only MQTT module: one supervised aiomqtt connection, QoS 1 publishing.
 
-`Publisher` keeps a connection up (MQTT v5, falling back to 3.1.1 when the broker refuses v5),
-reconnects with exponential backoff and jitter, registers a last will (``offline``, retained) so
-the correlator learns when the agent dies, announces ``online`` on every connect, and delivers
-clock replies to a callback. `publish()` returns only after the broker's PUBACK, retrying across
-reconnects: that is the guarantee checkpoints are built on.
+`Publisher` keeps a connection up (MQTT v5, falling back to 3.1.1 at once when the broker does
+not speak v5, see `Publisher._speaks_v5`), reconnects with exponential backoff and jitter,
+registers a last will (``offline``, retained) so the correlator learns when the agent dies,
+announces ``online`` on every connect, and delivers clock replies to a callback. `publish()`
+returns only after the broker's PUBACK, retrying across reconnects: that is the guarantee
+checkpoints are built on.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from typing import Any
 import aiomqtt
 import paho.mqtt.client as paho
 from aiomqtt.types import PahoSocket
+from paho.mqtt.properties import Properties
+from paho.mqtt.reasoncodes import ReasonCode
 
 from denpex_agent import wire
 from denpex_agent.config import AgentConfig
@@ -33,6 +36,7 @@ BACKOFF_MIN_S = 0.2
 BACKOFF_MAX_S = 10.0
 PUBLISH_TIMEOUT_S = 10.0
 CONNECT_TIMEOUT_S = 3.0  # until the first connection: a silent broker is tried with 3.1.1 soon
+UNSUPPORTED_PROTOCOL_VERSION = 0x84  # a v5 CONNACK reason; paho reports a 3.1.1 broker's code 1 as it
 
 
 class PublishError(DenpexAgentError):
@@ -73,6 +77,21 @@ class _LoopClient(aiomqtt.Client):
 
         self._loop.call_soon(write)
 
+    def _on_disconnect(
+        self,
+        client: paho.Client,
+        userdata: Any,
+        flags: paho.DisconnectFlags,
+        reason_code: ReasonCode,
+        properties: Properties | None = None,
+    ) -> None:
+        # aiomqtt ignores a disconnection before CONNACK, so a broker that closes the connection
+        # on a CONNECT it does not accept costs the whole connect timeout: fail the attempt now.
+        if not self._connected.done() and self._lock.locked():
+            self._connected.set_exception(aiomqtt.MqttError("connection closed before CONNACK"))
+            return
+        super()._on_disconnect(client, userdata, flags, reason_code, properties)
+
 
 class Publisher:
     """``async with Publisher(cfg, on_clock_reply) as pub: await pub.publish(topic, payload)``."""
@@ -100,6 +119,11 @@ class Publisher:
     @property
     def connected(self) -> bool:
         return self._connected.is_set()
+
+    @property
+    def _auto_unsettled(self) -> bool:
+        """The MQTT version is still to be found: ``auto`` and no connection succeeded yet."""
+        return self.cfg.mqtt_version == "auto" and not self._settled
 
     async def __aenter__(self) -> Publisher:
         self._task = asyncio.create_task(self._supervise(), name="mqtt-connection")
@@ -129,14 +153,14 @@ class Publisher:
                 await self._task
             self._task = None
 
-    def _client_for(self, protocol: aiomqtt.ProtocolVersion) -> aiomqtt.Client:
+    def _client_for(self, protocol: aiomqtt.ProtocolVersion, *, will: bool = True) -> aiomqtt.Client:
         cfg, url = self.cfg, self.url
         tls_context = None
         if url.tls:
             tls_context = ssl.create_default_context(cafile=cfg.ca_file)
             if cfg.cert_file and cfg.key_file:
                 tls_context.load_cert_chain(cfg.cert_file, cfg.key_file)
-        will = aiomqtt.Will(
+        last_will = aiomqtt.Will(
             topic=wire.status_topic(cfg.job, cfg.agent),
             payload=wire.encode_status(cfg.agent, cfg.node, "offline", 0.0),
             qos=1,
@@ -149,17 +173,42 @@ class Publisher:
             password=cfg.password or url.password,
             identifier=f"denpex-agent-{cfg.agent}",
             protocol=protocol,
-            will=will,
+            will=last_will if will else None,
             tls_context=tls_context,
             keepalive=15,
             timeout=PUBLISH_TIMEOUT_S if self._settled else CONNECT_TIMEOUT_S,
         )
+
+    async def _speaks_v5(self) -> bool:
+        """Does the broker speak MQTT v5? False when it refuses the version; `aiomqtt.MqttError`
+        when it cannot be reached, does not answer in time, or closes the connection.
+
+        A 3.1.1-only broker is meant to refuse a v5 CONNECT at once (CONNACK code 1), but the
+        agent's CONNECT carries a last will, and v5 puts a properties field before it: the
+        embedded broker (amqtt) reads that field as the start of the will topic's length, then
+        waits for bytes that never come, and the attempt only ended with the connect timeout
+        (3 s at every start). The probe is a v5 CONNECT without a will, which such a broker can
+        read far enough to refuse; a v5 broker answers it like the real one (accepted, or refused
+        for a reason of its own, which the real attempt reports), and the probe disconnects.
+        (With a user name the probe is misread too: against a 3.1.1 broker that needs
+        credentials the fallback still waits for `CONNECT_TIMEOUT_S`.)"""
+        try:
+            async with self._client_for(aiomqtt.ProtocolVersion.V5, will=False):
+                return True
+        except aiomqtt.MqttCodeError as exc:
+            # refused for a reason of its own (credentials): v5 it is, and the real attempt says why
+            return exc.rc != UNSUPPORTED_PROTOCOL_VERSION
 
     async def _supervise(self) -> None:
         delay = BACKOFF_MIN_S
         while not self._stopping:
             client = self._client_for(self._protocol)
             try:
+                probe = self._protocol == aiomqtt.ProtocolVersion.V5 and self._auto_unsettled
+                if probe and not await self._speaks_v5():
+                    log.info("the broker speaks MQTT 3.1.1, not 5 broker=%s", self.url.redacted())
+                    self._protocol = aiomqtt.ProtocolVersion.V311
+                    continue
                 async with client:
                     self._client = client
                     self._settled = True
@@ -181,9 +230,10 @@ class Publisher:
                             self.on_clock_reply(message.payload, time.time())
             except aiomqtt.MqttError as exc:
                 self.failures += 1
-                if self.cfg.mqtt_version == "auto" and not self._settled:
-                    # Some brokers refuse v5 outright, 3.1.1-only ones may never answer a v5
-                    # CONNECT: until one connection succeeded, alternate the two versions.
+                if self._auto_unsettled:
+                    # A broker that did not answer the v5 probe in time, or closed the connection,
+                    # may still be a 3.1.1 one: until one connection succeeded, alternate the two
+                    # versions.
                     nxt = (
                         aiomqtt.ProtocolVersion.V311
                         if self._protocol == aiomqtt.ProtocolVersion.V5
