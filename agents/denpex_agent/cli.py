@@ -12,14 +12,16 @@ import logging
 import os
 import signal
 import sys
+import traceback
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 from prometheus_client import CollectorRegistry, start_http_server
 
 from denpex_agent import __version__
 from denpex_agent.config import _FIELD_TYPES, AgentConfig, load_config, parse_listen
 from denpex_agent.errors import ConfigError, LayoutError, RuleError
+from denpex_agent.redact import Redactor, configure_logging, redact_url
 
 log = logging.getLogger("denpex_agent")
 
@@ -43,6 +45,8 @@ _HELP = {
 _EPILOG = """\
 Configuration precedence: flags > DENPEX_* environment variables > --config TOML file > defaults.
 Every key has one name: batch_max_bytes in the file, DENPEX_BATCH_MAX_BYTES, --batch-max-bytes.
+DENPEX_CONFIG, DENPEX_SERVER and DENPEX_API_TOKEN (denpexd query's) are tolerated; any other
+DENPEX_* variable that is not a key is an error naming it.
 
 example:
   denpex-agent --job job-4711 --node "$(hostname)" --logs '/var/log/train/rank*.log' \\
@@ -50,8 +54,16 @@ example:
 """
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse whose error messages never show a URL's password (``--brokr mqtt://u:pw@h``)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.print_usage(sys.stderr)
+        self.exit(2, f"{self.prog}: error: {redact_url(message)}\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="denpex-agent",
         description="Follow this node's rank logs, match failure signatures, ship events to denpexd over MQTT.",
         epilog=_EPILOG,
@@ -77,32 +89,47 @@ def _default(key: str) -> Any:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    redact = Redactor.for_invocation(args_list, os.environ)
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(args_list)
+    config_file = args.config or os.environ.get("DENPEX_CONFIG")
+    redact = redact.with_config_file(config_file)
+    try:
+        return _main(args, config_file, redact)
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:  # the last line of defence: a clear message, exit 1, no secret
+        print(redact(f"denpex-agent: internal error: {type(exc).__name__}: {exc}"), file=sys.stderr)
+        print(redact(traceback.format_exc()), end="", file=sys.stderr)
+        return 1
+
+
+def _main(args: argparse.Namespace, config_file: str | None, redact: Redactor) -> int:
     flags = {k: getattr(args, k) for k in _FIELD_TYPES}
     try:
-        cfg = load_config(flags, config_file=args.config or os.environ.get("DENPEX_CONFIG"))
+        cfg = load_config(flags, config_file=config_file)
     except ConfigError as exc:
-        print(f"denpex-agent: configuration error: {exc}", file=sys.stderr)
+        print(redact(f"denpex-agent: configuration error: {exc}"), file=sys.stderr)
         return 2
-    logging.basicConfig(
-        level=cfg.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    redact = redact.adding((cfg.password, cfg.broker))
+    configure_logging(cfg.log_level.upper(), redact)
     try:
         from denpex_agent.agent import Agent
 
         registry = CollectorRegistry()
         agent = Agent(cfg, registry)
     except (RuleError, LayoutError) as exc:
-        print(f"denpex-agent: {exc}", file=sys.stderr)
+        print(redact(f"denpex-agent: {exc}"), file=sys.stderr)
         return 2
     if args.check:
         accel = "hyperscan" if agent.matcher.accelerated else "python re (slow)"
         print(
-            f"denpex-agent: ok: job={cfg.job} node={cfg.node} agent={cfg.agent} broker={cfg.broker_url.redacted()} "
-            f"logs={list(cfg.logs)} rules={len(agent.matcher.ruleset)} ({accel}) state_dir={cfg.state_dir}"
+            redact(
+                f"denpex-agent: ok: job={cfg.job} node={cfg.node} agent={cfg.agent} "
+                f"broker={cfg.broker_url.redacted()} logs={list(cfg.logs)} rules={len(agent.matcher.ruleset)} "
+                f"({accel}) state_dir={cfg.state_dir}"
+            )
         )
         return 0
     if cfg.metrics_listen:

@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import signal
 import sys
 from collections.abc import Sequence
 
+from denpex_agent.redact import Redactor, configure_logging
 from denpexd import __version__
 
 EXIT_OK = 0
 EXIT_FAILURE = 1
 EXIT_USAGE = 2
+EXIT_SIGPIPE = 128 + signal.SIGPIPE  # what a shell reports for `cat big | head`
 
 _DESCRIPTION = """\
 Denpex names the rank that broke a distributed training job first, why, what to do,
@@ -23,6 +27,10 @@ and which of the other errors are only collateral.
   denpexd serve                        live correlator: embedded MQTT broker, HTTP API, /metrics
   denpexd query --job ID               the live diagnosis of a job from a running `serve`
   denpexd validate --config FILE       check a serve configuration and its rules
+
+environment: `serve` and `validate` take DENPEX_<KEY> for each configuration key (DENPEX_BROKER,
+DENPEX_HTTP_LISTEN, ...) and DENPEX_CONFIG; DENPEX_SERVER is tolerated (it is `query`'s), any other
+DENPEX_* variable is an error (exit 2). `query` reads DENPEX_SERVER and DENPEX_API_TOKEN only.
 """
 
 
@@ -83,7 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
         "serve",
         help="run the live correlator (MQTT ingest, engine per job, store, HTTP API, alerts)",
         description="Run the live correlator. Settings come from flags > DENPEX_* environment > "
-        "--config TOML file > defaults.",
+        "--config TOML file > defaults. DENPEX_<KEY> sets a key (DENPEX_BROKER, DENPEX_MAX_OPEN_JOBS, ...); "
+        "DENPEX_CONFIG names the file; DENPEX_SERVER (query's) is tolerated; any other DENPEX_* variable "
+        "is an error naming it.",
     )
     s.add_argument("--config", metavar="FILE", help="TOML configuration file (env DENPEX_CONFIG)")
     s.add_argument(
@@ -118,13 +128,29 @@ def build_parser() -> argparse.ArgumentParser:
     q = sub.add_parser("query", help="ask a running `denpexd serve` about a job")
     q.add_argument("--job", metavar="ID", help="print this job's diagnosis (the report `diagnose` prints)")
     q.add_argument("--jobs", action="store_true", help="list recent jobs, their verdicts and initiators")
-    q.add_argument("--json", action="store_true", help="print JSON (DESIGN §7 contract for --job)")
     q.add_argument(
-        "--server", metavar="URL", help="daemon URL (default http://127.0.0.1:8080, env DENPEX_SERVER)"
+        "--json", action="store_true", help="print JSON (for --job the diagnosis, docs/diagnosis-json.md)"
+    )
+    q.add_argument(
+        "--server",
+        metavar="URL",
+        help="daemon URL or HOST:PORT (http:// assumed; default http://127.0.0.1:8080, env DENPEX_SERVER)",
     )
     q.add_argument("--api-token", metavar="TOKEN", help="bearer token (env DENPEX_API_TOKEN)")
+    q.add_argument(
+        "--timeout",
+        metavar="SECONDS",
+        type=float,
+        default=10.0,
+        help="give up when the daemon has not answered in this long (default 10)",
+    )
 
-    v = sub.add_parser("validate", help="check a serve configuration and its rules (exit 0 or 2)")
+    v = sub.add_parser(
+        "validate",
+        help="check a serve configuration and its rules (exit 0 or 2)",
+        description="Check a serve configuration (flags, DENPEX_* environment, TOML file, as `serve` "
+        "reads them) and its rules; exit 0 or 2.",
+    )
     v.add_argument("--config", metavar="FILE", help="TOML configuration file")
 
     r = sub.add_parser("rules", help="inspect or self-test the signature library")
@@ -138,47 +164,59 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    redact = Redactor.for_invocation(argv, os.environ)
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
     except _UsageError as exc:
-        print(exc, file=sys.stderr)
+        print(redact(str(exc)), file=sys.stderr)
         return EXIT_USAGE
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.WARNING,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    redact = redact.with_config_file(getattr(args, "config", None) or os.environ.get("DENPEX_CONFIG"))
+    configure_logging(logging.DEBUG if args.verbose else logging.WARNING, redact)
     if args.command is None:
         parser.print_help()
         return EXIT_USAGE
     try:
-        if args.command == "rules":
-            from denpexd import rulescmd
-
-            if args.rules_command == "test":
-                return rulescmd.run_test(args.rules)
-            if args.rules_command == "list":
-                return rulescmd.run_list(args.rules)
-            print("denpexd rules: choose an action: test or list", file=sys.stderr)
-            return EXIT_USAGE
-        if args.command in ("serve", "validate"):
-            from denpexd import servecmd
-
-            return servecmd.run(args)
-        if args.command == "query":
-            from denpexd import querycmd
-
-            return querycmd.run(args)
-        if args.command == "diagnose":
-            from denpexd import diagnosecmd
-
-            return diagnosecmd.run(args)
+        code = _dispatch(args, redact)
+        sys.stdout.flush()  # a reader that went away is noticed here, not at interpreter exit
+        return code
+    except BrokenPipeError:
+        # `denpexd rules list | head`: the reader has all it wanted. End quietly, as other CLIs do
+        # on SIGPIPE; what is still buffered goes nowhere instead of failing again at exit.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return EXIT_SIGPIPE
     except KeyboardInterrupt:
         print("denpexd: interrupted", file=sys.stderr)
         return 130
     except Exception as exc:  # the last line of defence: a clear message, exit 1
         logging.getLogger("denpexd").debug("internal failure", exc_info=True)
-        print(f"denpexd: internal error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        print(redact(f"denpexd: internal error: {type(exc).__name__}: {exc}"), file=sys.stderr)
         return EXIT_FAILURE
+
+
+def _dispatch(args: argparse.Namespace, redact: Redactor) -> int:
+    if args.command == "rules":
+        from denpexd import rulescmd
+
+        if args.rules_command == "test":
+            return rulescmd.run_test(args.rules)
+        if args.rules_command == "list":
+            return rulescmd.run_list(args.rules)
+        print("denpexd rules: choose an action: test or list", file=sys.stderr)
+        return EXIT_USAGE
+    if args.command in ("serve", "validate"):
+        from denpexd import servecmd
+
+        return servecmd.run(args, redact)
+    if args.command == "query":
+        from denpexd import querycmd
+
+        return querycmd.run(args, redact)
+    if args.command == "diagnose":
+        from denpexd import diagnosecmd
+
+        return diagnosecmd.run(args)
     return EXIT_USAGE

@@ -1,10 +1,10 @@
 """`denpexd serve` configuration: one frozen dataclass parsed once, at the edge.
 
 Sources, highest precedence first: command-line flags, environment (`DENPEX_<KEY>` upper case),
-a TOML file (`--config`), the defaults below (DESIGN §8). Unknown keys in the file or unknown
-flags are errors naming the key, so a typo never silently falls back to a default (`DENPEX_*`
-variables that `serve` does not know are left to the agent and the query client that share the
-prefix).
+a TOML file (`--config`), the defaults below (README, "Live diagnosis"). Unknown keys in the
+file, unknown flags and unknown `DENPEX_*` variables are errors naming them, so a typo never
+silently falls back to a default; `denpex_agent.environ` holds the rule for the variables, which
+the agent shares (`DENPEX_CONFIG`, `DENPEX_SERVER` are tolerated, `DENPEX_API_TOKEN` is a key).
 """
 
 from __future__ import annotations
@@ -19,10 +19,9 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from denpex_agent.environ import SHARED, config_variables
+from denpex_agent.redact import redact_url
 from denpexd.errors import ConfigError
-
-ENV_PREFIX = "DENPEX_"
-_ENV_IGNORED = frozenset({"DENPEX_SERVER", "DENPEX_CONFIG"})  # read by `query` and by the CLI
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,14 +57,13 @@ class ServeConfig:
         if out["api_token"]:
             out["api_token"] = "***"
         if out["broker"]:
-            u = urlsplit(out["broker"])
-            if u.password:
-                out["broker"] = out["broker"].replace(f":{u.password}@", ":***@")
+            out["broker"] = redact_url(out["broker"])
         return out
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(ServeConfig)}
 _DEFAULTS = ServeConfig()
+_TOLERATED = sorted(n for n in SHARED if n.removeprefix("DENPEX_").lower() not in _FIELDS)
 
 
 def _coerce(key: str, value: Any, source: str) -> Any:
@@ -102,8 +100,13 @@ def _validate(cfg: ServeConfig) -> ServeConfig:
     _host_port("http_listen", cfg.http_listen)
     if cfg.broker is not None:
         u = urlsplit(cfg.broker)
+        shown = redact_url(cfg.broker)
         if u.scheme not in ("mqtt", "mqtts") or not u.hostname:
-            raise ConfigError("broker", f"expected mqtt[s]://[user:pass@]host[:port], got {cfg.broker!r}")
+            raise ConfigError("broker", f"expected mqtt[s]://[user:pass@]host[:port], got {shown!r}")
+        try:
+            u.port  # noqa: B018 - urlsplit checks the port only when asked
+        except ValueError:
+            raise ConfigError("broker", f"the port is not a number 0-65535 in {shown!r}") from None
     if cfg.shared_group is not None:
         if not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", cfg.shared_group):
             raise ConfigError("shared_group", "use 1-64 of A-Z a-z 0-9 _ -")
@@ -150,12 +153,14 @@ def load_config(
         if key not in _FIELDS:
             raise ConfigError(key, f"unknown key in {path} (known: {', '.join(sorted(_FIELDS))})")
         values[key] = _coerce(key, value, str(path))
-    for name, value in (env if env is not None else os.environ).items():
-        if not name.startswith(ENV_PREFIX) or name in _ENV_IGNORED:
-            continue
-        key = name[len(ENV_PREFIX) :].lower()
-        if key not in _FIELDS:
-            continue  # DENPEX_* variables of the agent or the query client share the prefix
+    variables, unknown = config_variables(env if env is not None else os.environ, _FIELDS)
+    if unknown:
+        raise ConfigError(
+            unknown[0],
+            "unknown environment variable: serve takes DENPEX_<KEY> for its keys "
+            f"({', '.join(sorted(_FIELDS))}) and tolerates {', '.join(_TOLERATED)}",
+        )
+    for key, (name, value) in variables.items():
         values[key] = _coerce(key, value, name)
     for key, value in (flags or {}).items():
         if key not in _FIELDS:

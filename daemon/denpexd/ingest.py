@@ -34,6 +34,7 @@ from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
 from denpex_agent import wire
+from denpex_agent.redact import redact_url
 from denpexd import fastwire
 from denpexd.config import ServeConfig, split_listen
 from denpexd.errors import BrokerError
@@ -115,7 +116,7 @@ class Ingest:
         self._room = asyncio.Event()
         self._room.set()
         self.external = cfg.broker is not None
-        self.address = cfg.broker or f"mqtt://{cfg.mqtt_listen}"
+        self.address = redact_url(cfg.broker) if cfg.broker else f"mqtt://{cfg.mqtt_listen}"  # as shown
 
     @property
     def ready(self) -> bool:
@@ -191,7 +192,7 @@ class Ingest:
         self._client = client
         self._generation += 1
         self._connected.set()
-        log.info("connected to MQTT broker address=%s client_id=%s", _safe(self.address), self.cfg.client_id)
+        log.info("connected to MQTT broker address=%s client_id=%s", self.address, self.cfg.client_id)
 
     async def _disconnect(self) -> None:
         if self._publishing:
@@ -307,7 +308,7 @@ class Ingest:
                     await self._connect()
                     delay = 0.2
                 except aiomqtt.MqttError as exc:
-                    log.warning("broker unreachable; retrying address=%s error=%s", _safe(self.address), exc)
+                    log.warning("broker unreachable; retrying address=%s error=%s", self.address, exc)
                     await asyncio.sleep(delay)
                     delay = min(delay * 2, RECONNECT_MAX_S)
                 continue
@@ -321,9 +322,7 @@ class Ingest:
                         self._room.clear()
                         await self._room.wait()
             except aiomqtt.MqttError as exc:
-                log.warning(
-                    "broker connection lost; reconnecting address=%s error=%s", _safe(self.address), exc
-                )
+                log.warning("broker connection lost; reconnecting address=%s error=%s", self.address, exc)
                 self._client = None
                 self._connected.clear()
 
@@ -457,11 +456,6 @@ def _sender(payload: bytes) -> str:
     if not isinstance(doc, dict):
         return "?"
     return f"agent={str(doc.get('agent'))[:64]!r} node={str(doc.get('node'))[:64]!r}"
-
-
-def _safe(url: str) -> str:
-    u = urlsplit(url)
-    return url.replace(f":{u.password}@", ":***@") if u.password else url
 
 
 def subscriptions(shared_group: str | None) -> list[str]:

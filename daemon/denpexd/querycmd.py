@@ -1,7 +1,9 @@
 """`denpexd query`: ask a running `denpexd serve` over its HTTP API.
 
 `--job ID` prints the same report as `denpexd diagnose` (`report.render_text`), `--json` the
-DESIGN §7 document, `--jobs` the recent jobs with their verdicts and initiators.
+diagnosis document (docs/diagnosis-json.md), `--jobs` the recent jobs with their verdicts and
+initiators. `--server` may omit the scheme (``host:8080`` means ``http://host:8080``); a daemon that
+accepts the connection but does not answer within `--timeout` seconds is an error naming both.
 """
 
 from __future__ import annotations
@@ -11,20 +13,39 @@ import asyncio
 import os
 import sys
 from typing import Any
+from urllib.parse import urlsplit
 
 import aiohttp
 import orjson
 
 from denpex_agent import wire
+from denpex_agent.redact import Redactor, redact_url
 from denpexd.errors import QueryError
 from denpexd.report import render_text
 
 DEFAULT_SERVER = "http://127.0.0.1:8080"
+DEFAULT_TIMEOUT_S = 10.0
 
 
-async def fetch(server: str, path: str, token: str | None, timeout_s: float = 10.0) -> Any:
+def server_url(value: str) -> str:
+    """``host:port`` → ``http://host:port``; an http(s) URL as given. Raises `QueryError`."""
+    url = value.strip().rstrip("/")
+    if "://" not in url:
+        url = "http://" + url
+    parts = urlsplit(url)
+    try:
+        parts.port  # noqa: B018 - urlsplit checks the port only when asked
+    except ValueError:
+        raise QueryError(f"--server {redact_url(value)!r}: the port is not a number") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise QueryError(f"--server {redact_url(value)!r}: expected [http[s]://]HOST[:PORT]")
+    return url
+
+
+async def fetch(server: str, path: str, token: str | None, timeout_s: float = DEFAULT_TIMEOUT_S) -> Any:
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     url = server.rstrip("/") + path
+    shown = redact_url(server)
     try:
         async with (
             aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as session,
@@ -32,21 +53,28 @@ async def fetch(server: str, path: str, token: str | None, timeout_s: float = 10
         ):
             body = await resp.read()
             if resp.status == 401:
-                raise QueryError(f"{url}: 401 unauthorized (pass --api-token or set DENPEX_API_TOKEN)")
+                raise QueryError(
+                    f"{redact_url(url)}: 401 unauthorized (pass --api-token or set DENPEX_API_TOKEN)"
+                )
             if resp.status == 404:
-                raise QueryError(f"{url}: not found ({_message(body)})")
+                raise QueryError(f"{redact_url(url)}: not found ({_message(body)})")
             if resp.status >= 400:
-                raise QueryError(f"{url}: HTTP {resp.status} ({_message(body)})")
+                raise QueryError(f"{redact_url(url)}: HTTP {resp.status} ({_message(body)})")
             return orjson.loads(body)
     except aiohttp.ClientConnectorError as exc:
         raise QueryError(
-            f"cannot reach denpexd at {server} ({exc.os_error.strerror if exc.os_error else exc}): "
+            f"cannot reach denpexd at {shown} ({exc.os_error.strerror if exc.os_error else exc}): "
             "is `denpexd serve` running? (set --server or DENPEX_SERVER)"
         ) from exc
-    except (aiohttp.ClientError, TimeoutError) as exc:
-        raise QueryError(f"{url}: {type(exc).__name__}: {exc}") from exc
+    except TimeoutError as exc:  # also aiohttp's ServerTimeoutError
+        raise QueryError(
+            f"no answer from {shown} within {timeout_s:g} s: is it `denpexd serve`? (raise --timeout "
+            "for a busy daemon)"
+        ) from exc
+    except aiohttp.ClientError as exc:
+        raise QueryError(f"{redact_url(url)}: {type(exc).__name__}: {exc}") from exc
     except orjson.JSONDecodeError as exc:
-        raise QueryError(f"{url}: the answer is not JSON") from exc
+        raise QueryError(f"{redact_url(url)}: the answer is not JSON") from exc
 
 
 def _message(body: bytes) -> str:
@@ -71,26 +99,35 @@ def render_jobs(rows: list[dict[str, Any]]) -> str:
     return "\n".join(out) + "\n"
 
 
-def run(args: argparse.Namespace) -> int:
-    server = args.server or os.environ.get("DENPEX_SERVER") or DEFAULT_SERVER
+def run(args: argparse.Namespace, redact: Redactor | None = None) -> int:
+    redact = redact if redact is not None else Redactor()
     token = args.api_token or os.environ.get("DENPEX_API_TOKEN") or None
+    timeout_s = getattr(args, "timeout", DEFAULT_TIMEOUT_S)
     if not args.jobs and not args.job:
         print("denpexd query: choose --job ID or --jobs", file=sys.stderr)
         return 2
     if args.job and not wire.valid_id(args.job):
         print(f"denpexd query: invalid job id {args.job!r}", file=sys.stderr)
         return 2
+    if not timeout_s > 0:
+        print("denpexd query: --timeout must be > 0", file=sys.stderr)
+        return 2
+    try:
+        server = server_url(args.server or os.environ.get("DENPEX_SERVER") or DEFAULT_SERVER)
+    except QueryError as exc:
+        print(redact(f"denpexd query: {exc}"), file=sys.stderr)
+        return 2
     try:
         if args.jobs:
-            doc = asyncio.run(fetch(server, "/api/v1/jobs", token))
+            doc = asyncio.run(fetch(server, "/api/v1/jobs", token, timeout_s))
             if args.json:
                 _dump(doc)
             else:
                 sys.stdout.write(render_jobs(doc["jobs"]))
             return 0
-        doc = asyncio.run(fetch(server, f"/api/v1/jobs/{args.job}", token))
+        doc = asyncio.run(fetch(server, f"/api/v1/jobs/{args.job}", token, timeout_s))
     except QueryError as exc:
-        print(f"denpexd query: {exc}", file=sys.stderr)
+        print(redact(f"denpexd query: {exc}"), file=sys.stderr)
         return 1
     if args.json:
         _dump(doc)

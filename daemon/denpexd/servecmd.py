@@ -8,6 +8,7 @@ import os
 import sys
 from typing import Any
 
+from denpex_agent.redact import Redactor
 from denpexd.config import ServeConfig, load_config
 from denpexd.errors import DenpexdError
 from denpexd.serve import load, run_serve
@@ -28,25 +29,30 @@ def _loader(args: argparse.Namespace) -> Any:
     return loader
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, redact: Redactor | None = None) -> int:
+    """Exit codes: 0 ok, 2 invalid configuration, 1 a failure while serving. Messages go through
+    ``redact`` (the broker password and the API token never appear)."""
+    redact = redact if redact is not None else Redactor()
     loader = _loader(args)
     if args.command == "validate":
         try:
             loaded = load(loader)
         except DenpexdError as exc:
-            print(f"denpexd validate: {exc}", file=sys.stderr)
+            print(redact(f"denpexd validate: {exc}"), file=sys.stderr)
             return 2
-        print(f"configuration ok: {len(loaded.rules)} rules, store {loaded.cfg.store_path}")
+        cfg = loaded.cfg
+        broker = cfg.redacted()["broker"] or f"embedded on {cfg.mqtt_listen}"
+        print(redact(f"configuration ok: {len(loaded.rules)} rules, store {cfg.store_path}, broker {broker}"))
         return 0
     try:
         cfg = loader()
     except DenpexdError as exc:
-        print(f"denpexd serve: {exc}", file=sys.stderr)
+        print(redact(f"denpexd serve: {exc}"), file=sys.stderr)
         return 2
     logging.getLogger().setLevel(cfg.log_level.upper())
     try:
         run_serve(loader)
     except DenpexdError as exc:
-        print(f"denpexd serve: {exc}", file=sys.stderr)
+        print(redact(f"denpexd serve: {exc}"), file=sys.stderr)
         return 1
     return 0

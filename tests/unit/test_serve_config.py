@@ -1,4 +1,5 @@
-"""ServeConfig: defaults, precedence flags > env > file > defaults, unknown keys rejected."""
+"""ServeConfig: defaults, precedence flags > env > file > defaults, unknown keys and unknown
+DENPEX_* variables rejected."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from denpex_agent import config as agent_config
+from denpex_agent.environ import SHARED
 from denpexd.config import ServeConfig, load_config
 from denpexd.errors import ConfigError
 from denpexd.metrics import invalid_reason
@@ -37,7 +40,19 @@ def test_unknown_and_invalid(tmp_path: Path) -> None:
         load_config(env={"DENPEX_BROKER": "http://x"})
     with pytest.raises(ConfigError, match="max_open_jobs"):
         load_config(env={"DENPEX_MAX_OPEN_JOBS": "many"})
-    assert load_config(env={"DENPEX_JOB": "agent-side"}) == ServeConfig()
+
+
+def test_unknown_environment_variables() -> None:
+    for name in ("DENPEX_JOB", "DENPEX_MAX_OPEN_JOB", "DENPEX_PASSWORD"):  # agent keys, typos
+        with pytest.raises(ConfigError, match=name) as err:
+            load_config(env={name: "x", "PATH": "/bin"})
+        assert err.value.key == name
+    tolerated = {"DENPEX_SERVER": "http://h:8080", "DENPEX_CONFIG": "", "DENPEX_API_TOKEN": "tok"}
+    assert load_config(env=tolerated) == ServeConfig(api_token="tok")  # DENPEX_API_TOKEN is a key
+
+
+def test_agent_and_daemon_tolerate_the_same_variables() -> None:
+    assert agent_config._ENV_IGNORED == SHARED
 
 
 def test_redacted() -> None:
