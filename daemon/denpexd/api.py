@@ -1,4 +1,4 @@
-"""The HTTP API (aiohttp): jobs, one job's diagnosis (DESIGN §7), its events, health, metrics.
+"""The HTTP API (aiohttp): jobs, one job's diagnosis (docs/diagnosis-json.md), its events, health, metrics.
 
 An optional bearer token guards everything but `/-/healthy` and `/-/ready`. Job ids are checked
 with the wire protocol's rules before anything looks them up: a hostile id is a 400, an unknown

@@ -76,6 +76,9 @@ def test_wheel_has_entry_points_and_rules(tmp_path: Path) -> None:
     )  # fmt: skip
     assert run.returncode == 0, run.stdout + run.stderr
     (wheel,) = tmp_path.glob("denpexd-*.whl")
+    version = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
+    assert wheel.name == f"denpexd-{version}-py3-none-any.whl"
+    assert wheel.name in (REPO / "deploy" / "README.md").read_text(), "deploy/README.md names another wheel"
     with zipfile.ZipFile(wheel) as zf:
         names = zf.namelist()
         entry = next(n for n in names if n.endswith("entry_points.txt"))
@@ -83,3 +86,29 @@ def test_wheel_has_entry_points_and_rules(tmp_path: Path) -> None:
     assert "denpexd = denpexd.cli:main" in scripts and "denpex-agent = denpex_agent.cli:main" in scripts
     rules = [n for n in names if n.startswith("denpex_agent/_rules/") and n.endswith(".toml")]
     assert len(rules) >= 10, rules
+
+
+def _pip_installs(text: str) -> list[list[str]]:
+    """The arguments of every `pip install` command in a text (up to && ; | #)."""
+    out = []
+    for line in text.splitlines():
+        for command in re.split(r"&&|;|\||#", line):
+            words = command.split()
+            for i in range(len(words) - 1):
+                if words[i].endswith("pip") and words[i + 1] == "install":
+                    out.append(words[i + 2 :])
+    return out
+
+
+def test_install_instructions_use_what_exists() -> None:
+    """`denpexd` is not on PyPI: the docs install the checkout or a wheel built from it, never
+    `pip install denpexd` from an index (the Dockerfile installs the wheel it built, offline)."""
+    for doc in (REPO / "deploy" / "README.md", REPO / "README.md"):
+        installs = _pip_installs(doc.read_text())
+        assert installs, doc
+        bad = [a for a in installs if any(re.fullmatch(r"denpexd(?:\[\w,]+\])?(?:[=<>~!].*)?", w) for w in a)]
+        assert not bad, (doc.name, bad)
+    text = (REPO / "deploy" / "README.md").read_text()
+    assert "pip wheel --no-deps --wheel-dir dist ." in text
+    runs = " ".join(rest for word, rest in _instructions() if word == "RUN")
+    assert "pip wheel" in runs and "--no-index --find-links=/wheels" in runs

@@ -195,7 +195,7 @@ def _start_prometheus(stack: Stack) -> None:
     subs = [
         (r"scrape_interval: 15s", "scrape_interval: 1s"),
         (r"evaluation_interval: 15s", "evaluation_interval: 1s"),
-        (r"/etc/prometheus/denpex\.rules\.yml", str(DEPLOY / "prometheus" / "denpex.rules.yml")),
+        (r"(?m)^  - denpex\.rules\.yml$", f"  - {DEPLOY / 'prometheus' / 'denpex.rules.yml'}"),
         (r'\["alertmanager\.example\.internal:9093"\]',
          json.dumps([stack.am_url.removeprefix("http://")] if stack.am_url else [])),
         (r'\["denpexd\.example\.internal:8080"\]', json.dumps([daemon_target])),
