@@ -40,6 +40,13 @@ _HELP = {
     "term of the write-to-broker latency (default: 0.15)",
     "batch_max_delay": "seconds the sender waits for more reads before publishing; 0 publishes "
     "each read's events at once (one read of every file is already one batch) (default: 0)",
+    "progress_interval": "seconds between live 'tips' (the newest step line of a file that grew), "
+    "which tell how far each rank got; the clock samples do not depend on it (default: 0.25)",
+    "fold_timeout": "seconds a multi-line record (a traceback without its exception line yet, "
+    "torchrun's summary) or an unfinished last line waits for its end before it is taken as it "
+    "is (default: 5)",
+    "slow_scan_warning": "a scan of new bytes that runs longer than this many seconds is logged and "
+    "counted (denpex_agent_slow_scans_total); heartbeats go on meanwhile (default: 2)",
 }
 
 _EPILOG = """\
