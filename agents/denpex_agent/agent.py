@@ -135,6 +135,8 @@ class Agent:
         self._pending_clock: dict[float, float] = {}
         self._reported: dict[str, int] = {}
         self._views_at = -1e18
+        self._metrics_at = 0.0
+        self._metrics_lock = threading.Lock()
         self.published_events = 0
 
     # -- control --------------------------------------------------------------------------------
@@ -257,6 +259,8 @@ class Agent:
             if read_at - self._views_at >= cfg.heartbeat_interval / 2:
                 self._views_at = read_at
                 self._views = self._file_views()
+            if read_at - self._metrics_at >= 1.0:
+                self._update_metrics()
             if not more:
                 stop.wait(cfg.poll_interval)
 
@@ -294,7 +298,9 @@ class Agent:
         tick = min(1.0, self.cfg.heartbeat_interval)
         next_beat = 0.0
         while True:
-            self._update_metrics()
+            busy = self._busy_since
+            if busy is not None and time.monotonic() - busy >= 1.0:
+                self._update_metrics()  # the reader, busy, cannot
             if time.monotonic() >= next_beat:
                 next_beat = time.monotonic() + self.cfg.heartbeat_interval
                 self._watch()
@@ -348,6 +354,13 @@ class Agent:
             self._queue.put_nowait(item)
 
     def _update_metrics(self) -> None:
+        """Bring the counters up to the reader's figures (from the reader after a poll, at most
+        once a second, or from the loop while the reader is busy)."""
+        with self._metrics_lock:
+            self._metrics_at = time.time()
+            self._update_metrics_locked()
+
+    def _update_metrics_locked(self) -> None:
         st = self.tailer.stats
         m = self.metrics
         files = list(self.tailer.files)  # the reader thread may change the list meanwhile
