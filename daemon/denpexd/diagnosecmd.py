@@ -32,7 +32,7 @@ def diagnose_paths(
     progress: TextIO | None = None,
     progress_min_bytes: int = PROGRESS_MIN_BYTES,
 ) -> dict[str, Any]:
-    """Read, match and correlate; return the DESIGN §7 diagnosis (plus `read` statistics)."""
+    """Read, match and correlate; return the diagnosis (docs/diagnosis-json.md) (plus `read` statistics)."""
     rules = rules if rules is not None else load_rules()
     lay = Layout(layout) if layout else None
     report = ReadReport()

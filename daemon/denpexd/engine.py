@@ -1,4 +1,4 @@
-"""The correlation engine: events of one job in, a diagnosis out (DESIGN §6, §7).
+"""The correlation engine: events of one job in, a diagnosis out (docs/diagnosis-json.md).
 
 Pure and incremental: `Engine.add()` folds each event into bounded per-(node, rank, rule)
 aggregates and per-rank progress tracks; `Engine.diagnose()` can be called at any time and

@@ -6,6 +6,7 @@ metric), and answers SIGTERM within its bound."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import shutil
 import signal
 import subprocess
@@ -23,7 +24,6 @@ from tests.integration.agent_harness import (
     eventually,
     free_port,
     start_agent,
-    stop,
     unique_job,
 )
 
@@ -50,6 +50,11 @@ fix = "x"
 verify = "x"
 examples = ["aab"]
 """
+
+
+def _get(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=5) as resp:
+        return str(resp.read().decode())
 
 
 def _adversarial(path: Path) -> None:
@@ -89,8 +94,8 @@ async def test_heartbeats_go_on_and_sigterm_is_answered_while_a_scan_is_stuck(tm
             while time.monotonic() - start < 6.0:
                 beats.append(len(got.events("heartbeat")))
                 await asyncio.sleep(1.0)
-            assert all(b > a for a, b in zip(beats, beats[1:], strict=False)), beats  # every second, more
-            body = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read().decode()
+            assert all(b > a for a, b in itertools.pairwise(beats)), beats  # every second, more
+            body = await asyncio.to_thread(_get, f"http://127.0.0.1:{metrics_port}/metrics")
             assert "denpex_agent_slow_scans_total 1.0" in body
             assert 'denpex_agent_warnings_total{reason="pattern-timeout"}' in body
             slow = [e for e in got.events("heartbeat") if "scan_busy_s" in e.fields]

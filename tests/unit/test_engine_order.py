@@ -42,7 +42,9 @@ def test_any_arrival_order_gives_the_file_order_diagnosis(case: str, library: Ru
     assert _diagnose(events[::-1], library) == reference
 
 
-def test_a_duplicate_of_the_first_event_at_the_same_time_does_not_move_the_initiator(library: RuleSet) -> None:
+def test_a_duplicate_of_the_first_event_at_the_same_time_does_not_move_the_initiator(
+    library: RuleSet,
+) -> None:
     """Two copies of one line (a worker's own file and its launcher's echo) tie on time: one rule
     picks the same one whichever arrives first."""
     events = _events("exception", library)

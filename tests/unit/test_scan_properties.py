@@ -82,7 +82,9 @@ def _key(e: Event) -> tuple[object, ...]:
     return (e.kind, e.rule, e.offset, e.line_no, e.rank, e.ts, e.text, repr(sorted(e.fields.items())))
 
 
-def _scan(matcher: Matcher, pieces: list[bytes], quiet: frozenset[int] = frozenset()) -> list[tuple[object, ...]]:
+def _scan(
+    matcher: Matcher, pieces: list[bytes], quiet: frozenset[int] = frozenset()
+) -> list[tuple[object, ...]]:
     """Feed ``pieces``; after the pieces whose index is in ``quiet`` the file goes quiet for less
     than the fold timeout (the agent's idle flush). Tips (live sampling by wall time) are left out."""
     sc = LineScanner(matcher, _source())
@@ -179,7 +181,7 @@ def test_records_cut_anywhere_with_quiet_spells_between_whole_lines(matcher: Mat
 def test_a_forced_close_after_the_fold_timeout_ends_the_record_where_the_data_ends(matcher: Matcher) -> None:
     """The writer died mid-traceback: after the fold timeout the open record is one event, as
     the post-mortem reader sees it at the end of the file."""
-    data = PREFIX + b"Traceback (most recent call last):\n  File \"x.py\", line 1, in f\n"
+    data = PREFIX + b'Traceback (most recent call last):\n  File "x.py", line 1, in f\n'
     sc = LineScanner(matcher, _source())
     assert [e for e in sc.feed(data) if e.kind == "match"] == []
     assert [e for e in sc.flush() if e.kind == "match"] == []  # quiet, but no exception line yet

@@ -160,7 +160,9 @@ def test_samples_do_not_depend_on_read_sizes(unit_matcher: Matcher, sizes: list[
 def test_a_resumed_scanner_samples_what_an_uninterrupted_one_does(unit_matcher: Matcher) -> None:
     data = _step_lines(400, pad=3)
     kw = {"dense_bytes": 2000, "stride": 1700}
-    whole = [e.offset for e in _scan(unit_matcher, data, **kw) if e.kind == "progress" and not e.fields.get("tip")]
+    whole = [
+        e.offset for e in _scan(unit_matcher, data, **kw) if e.kind == "progress" and not e.fields.get("tip")
+    ]
     for cut_line in (17, 60, 133, 301):
         cut = sum(len(line) for line in data.splitlines(keepends=True)[:cut_line])
         first = LineScanner(unit_matcher, _source(), **kw)

@@ -87,11 +87,11 @@ async def _run(tmp: Path, library: RuleSet, batches: list[wire.Batch], shortcut:
             "seen": list(state.seen),
             "tracks": {
                 k: (
-                t.last_step,
-                t.last_step_ts,
-                t.last_progress and t.last_progress.id,
-                t.data_times.values() if t.data_times else [],
-            )
+                    t.last_step,
+                    t.last_step_ts,
+                    t.last_progress and t.last_progress.id,
+                    t.data_times.values() if t.data_times else [],
+                )
                 for k, t in engine.tracks.items()
             },
             "local_ranks": {k: v.counts for k, v in engine.local_votes.items()},

@@ -16,4 +16,6 @@ def test_closing_a_failed_job_removes_its_series() -> None:
     m.remove_job("job-1", {"failed": failed, "nodes": ["node2"]})
     assert registry.get_sample_value("denpex_job_failed", dict(zip(
         ("job", "initiator_rank", "initiator_node", "category"), failed, strict=True))) is None  # fmt: skip
-    assert registry.get_sample_value("denpex_nan_fingerprint_stage", {"job": "job-1", "stage": "error"}) is None
+    assert (
+        registry.get_sample_value("denpex_nan_fingerprint_stage", {"job": "job-1", "stage": "error"}) is None
+    )
