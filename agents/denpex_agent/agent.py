@@ -57,6 +57,7 @@ class _Item:
     marks: list[Mark]
     size: int
     read_at: float
+    behind: int = 0  # bytes the reader had still to read after this poll
 
 
 def _split(events: list[Event], max_bytes: int) -> list[list[Event]]:
@@ -128,6 +129,7 @@ class Agent:
         self._reader: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._busy_since: float | None = None  # monotonic start of the reader's current poll
+        self._behind = 0  # the reader's unread bytes after its last poll
         self._slow_reported = False
         self._views: list[_FileView] = []
         self._seq = 0
@@ -253,8 +255,9 @@ class Agent:
             events, marks, more = self.tailer.poll(min(room, 8 * cfg.read_chunk))
             self._busy_since = None
             read_at = time.time()
+            self._behind = self.tailer.behind
             if events or marks:
-                item = _Item(events, marks, sum(map(_event_size, events)), read_at)
+                item = _Item(events, marks, sum(map(_event_size, events)), read_at, self._behind)
                 self._hand_over(item)
             if read_at - self._views_at >= cfg.heartbeat_interval / 2:
                 self._views_at = read_at
@@ -348,7 +351,7 @@ class Agent:
             )
             beats.append(ev)
         if beats:
-            item = _Item(beats, [], sum(map(_event_size, beats)), now)
+            item = _Item(beats, [], sum(map(_event_size, beats)), now, self._behind)
             with self._lock:
                 self._inflight += item.size
             self._queue.put_nowait(item)
@@ -416,7 +419,9 @@ class Agent:
             events = [e for i in items for e in i.events]
             for part in _split(events, cfg.batch_max_bytes):
                 self._seq += 1
-                payload = wire.encode_batch(cfg.agent, cfg.job, cfg.node, self._seq, time.time(), part)
+                payload = wire.encode_batch(
+                    cfg.agent, cfg.job, cfg.node, self._seq, time.time(), part, behind=items[-1].behind
+                )
                 self.metrics.connected.set(1 if pub.connected else 0)
                 await pub.publish(topic, payload)
                 self.metrics.connected.set(1)

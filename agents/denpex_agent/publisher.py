@@ -110,6 +110,7 @@ class Publisher:
         self._settled = False  # a connection succeeded once with self._protocol
         self.connects = 0
         self.failures = 0
+        self.foreign_messages = 0  # delivered on topics the agent did not subscribe to (ignored)
 
     def _initial_protocol(self) -> aiomqtt.ProtocolVersion:
         return (
@@ -225,7 +226,13 @@ class Publisher:
                     log.info(
                         "connected to broker broker=%s protocol=%s", self.url.redacted(), self._protocol.name
                     )
+                    reply_topic = wire.clock_reply_topic(self.cfg.agent)
                     async for message in client.messages:
+                        # only our clock replies: a broker may deliver retained messages of other
+                        # topics too (the embedded amqtt broker does), they are not ours to parse
+                        if not message.topic.matches(reply_topic):
+                            self.foreign_messages += 1
+                            continue
                         if self.on_clock_reply is not None and isinstance(message.payload, bytes):
                             self.on_clock_reply(message.payload, time.time())
             except aiomqtt.MqttError as exc:

@@ -68,6 +68,7 @@ class Followed:
     last_seen: tuple[int, int] = (-1, -1)
     head: bytes | None = None  # the first bytes (up to HEAD_BYTES) as read; None until checked
     flushed: int = 0  # 0: nothing closed since the last growth, 1: closed when idle, 2: forced
+    lag: int = 0  # bytes written but not read, as of the last look
 
 
 @dataclass(slots=True)
@@ -298,6 +299,7 @@ class Tailer:
                     budget -= len(data)
                     events.extend(f.scanner.feed(data))
                     marks.append(self._mark(f))
+                f.lag = max(size - f.pos, 0)
                 if f.pos < size:
                     more = True
                 if got:
@@ -376,6 +378,12 @@ class Tailer:
         self.files.remove(f)
         self.stats.files_closed += 1
         log.info("stopped following file path=%s offset=%d", f.path, f.pos)
+
+    @property
+    def behind(self) -> int:
+        """Bytes written to the followed files and not read yet, as of each file's last look
+        (no system call: the reader's own view, to tell the daemon it is catching up)."""
+        return sum(f.lag for f in self.files)
 
     @staticmethod
     def file_lag(f: Followed) -> int:

@@ -27,6 +27,7 @@ MAX_EVENTS = 10_000
 MAX_TEXT = 64 * 1024
 MAX_CONTEXT_LINES = 200
 MAX_FIELDS = 32
+MAX_BEHIND = 1 << 53  # bytes; any larger value is not a real backlog
 
 _ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@=-]{0,127}$")
 
@@ -114,6 +115,7 @@ class Batch:
     sent_at: float
     seq: int
     events: list[Event]
+    behind: int = 0  # bytes the agent had still to read when it read these events (catching up)
 
 
 _EVENT_KEYS = (
@@ -144,18 +146,21 @@ def event_to_wire(ev: Event) -> dict[str, Any]:
     }
 
 
-def encode_batch(agent: str, job: str, node: str, seq: int, sent_at: float, events: Iterable[Event]) -> bytes:
-    return orjson.dumps(
-        {
-            "v": VERSION,
-            "agent": agent,
-            "job": job,
-            "node": node,
-            "seq": seq,
-            "sent_at": sent_at,
-            "events": [event_to_wire(e) for e in events],
-        }
-    )
+def encode_batch(
+    agent: str, job: str, node: str, seq: int, sent_at: float, events: Iterable[Event], behind: int = 0
+) -> bytes:
+    doc: dict[str, Any] = {
+        "v": VERSION,
+        "agent": agent,
+        "job": job,
+        "node": node,
+        "seq": seq,
+        "sent_at": sent_at,
+        "events": [event_to_wire(e) for e in events],
+    }
+    if behind:
+        doc["behind"] = behind
+    return orjson.dumps(doc)
 
 
 def decode_batch(payload: bytes, topic_job: str | None = None) -> Batch:
@@ -181,13 +186,18 @@ def decode_batch(payload: bytes, topic_job: str | None = None) -> Batch:
         raise WireError("seq must be a non-negative integer")
     if not _finite(sent_at):
         raise WireError("sent_at must be a finite number")
+    behind = doc.get("behind", 0)
+    if not isinstance(behind, int) or isinstance(behind, bool) or not 0 <= behind < MAX_BEHIND:
+        raise WireError(f"behind must be an integer from 0 to {MAX_BEHIND - 1}")
     raw_events = doc.get("events")
     if not isinstance(raw_events, list):
         raise WireError("events must be a list")
     if len(raw_events) > MAX_EVENTS:
         raise WireError(f"{len(raw_events)} events exceed {MAX_EVENTS}")
     events = [_event(job, node, i, e) for i, e in enumerate(raw_events)]
-    return Batch(agent=agent, job=job, node=node, sent_at=float(sent_at), seq=seq, events=events)
+    return Batch(
+        agent=agent, job=job, node=node, sent_at=float(sent_at), seq=seq, events=events, behind=behind
+    )
 
 
 def _finite(x: object) -> TypeGuard[float]:

@@ -161,11 +161,16 @@ class Alerter:
         repeat_s: float = 60.0,
         hang_hold_s: float = HANG_HOLD_S,
         clock: Callable[[], float] = time.time,
+        monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
         self.store, self.metrics, self.sinks = store, metrics, sinks
         self.generator, self.repeat_s, self._clock = generator, repeat_s, clock
         self.active: dict[str, Incident] = {}
         self.hang_hold_s = hang_hold_s
+        self._mono = monotonic
+        # how much longer a new incident's first alert should wait for evidence (see
+        # JobTable.alert_wait); set by the job table, none by default
+        self.gate: Callable[[str, dict[str, Any], float], float] = lambda _job, _doc, _since: 0.0
         self._failing_since: dict[str, float] = {}
         self._held: dict[str, dict[str, Any]] = {}
         self._timers: dict[str, asyncio.Task[None]] = {}
@@ -200,15 +205,18 @@ class Alerter:
             return
         if doc.get("verdict") != "failed" or not doc.get("initiator"):
             return  # collateral alone (no initiator) never alerts
-        first = self._failing_since.setdefault(job, now)
-        if doc["initiator"].get("kind") == "hang" and now - first < self.hang_hold_s:
+        first = self._failing_since.setdefault(job, self._mono())
+        wait = self.gate(job, doc, first)
+        if doc["initiator"].get("kind") == "hang":
             # Only timeouts so far: the suspect is inferred from silence. A launcher's report of
             # a killed worker usually follows within seconds; wait for it (bounded) rather than
-            # fire at a guess. Newer diagnoses replace the held one; the timer fires the latest.
+            # fire at a guess.
+            wait = max(wait, first + self.hang_hold_s - self._mono())
+        if wait > 0:
+            # Newer diagnoses replace the held one; the timer looks again at the latest.
             self._held[job] = doc
             if job not in self._timers:
-                delay = first + self.hang_hold_s - now
-                task = asyncio.create_task(self._fire_held(job, delay), name=f"alert-hold-{job}")
+                task = asyncio.create_task(self._fire_held(job, wait), name=f"alert-hold-{job}")
                 self._timers[job] = task
                 task.add_done_callback(functools.partial(self._forget_timer, job))
             return
@@ -220,11 +228,13 @@ class Alerter:
                  alert["labels"]["rank"], alert["labels"]["rule"])  # fmt: skip
         self._enqueue([alert])
 
-    def _forget_timer(self, job: str, _task: asyncio.Task[None]) -> None:
-        self._timers.pop(job, None)
+    def _forget_timer(self, job: str, task: asyncio.Task[None]) -> None:
+        if self._timers.get(job) is task:
+            del self._timers[job]
 
     async def _fire_held(self, job: str, delay: float) -> None:
         await asyncio.sleep(max(delay, 0.0) + 0.01)
+        self._timers.pop(job, None)  # so that a still-held diagnosis can arm a new timer
         doc = self._held.pop(job, None)
         if doc is not None and job not in self.active:
             await self.on_diagnosis(job, doc)

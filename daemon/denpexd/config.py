@@ -43,6 +43,11 @@ class ServeConfig:
     retention_days: float = 14.0
     alertmanager: str | None = None
     alert_repeat_s: float = 60.0
+    # a new incident's first alert waits (bounded) for the evidence other agents may still hold:
+    # agents that have sent nothing since the initiator's event arrived (alert_settle_s), agents
+    # that say they are catching up on a backlog (alert_catchup_hold_s); 0 turns a wait off
+    alert_settle_s: float = 0.5
+    alert_catchup_hold_s: float = 10.0
     api_token: str | None = None
     shutdown_timeout_s: float = 10.0
     log_level: str = "info"
@@ -123,6 +128,9 @@ def _validate(cfg: ServeConfig) -> ServeConfig:
     ):  # fmt: skip
         if getattr(cfg, key) <= 0:
             raise ConfigError(key, "must be > 0")
+    for key in ("alert_settle_s", "alert_catchup_hold_s"):
+        if not 0 <= getattr(cfg, key) <= 600:
+            raise ConfigError(key, "must be between 0 and 600 seconds")
     if cfg.log_level.lower() not in ("debug", "info", "warning", "error"):
         raise ConfigError("log_level", "must be debug, info, warning or error")
     return cfg

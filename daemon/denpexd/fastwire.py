@@ -58,6 +58,9 @@ def _fast(payload: bytes, topic_job: str | None) -> wire.Batch | None:
     sent_at = doc.get("sent_at")
     if type(seq) is not int or seq < 0:
         return None
+    behind = doc.get("behind", 0)
+    if type(behind) is not int or not 0 <= behind < wire.MAX_BEHIND:
+        return None
     if type(sent_at) is float:
         if not _isfinite(sent_at):
             return None
@@ -70,7 +73,9 @@ def _fast(payload: bytes, topic_job: str | None) -> wire.Batch | None:
         events = [_event(job, node, e) for e in raw]
     except _Reject:
         return None
-    return wire.Batch(agent=agent, job=job, node=node, sent_at=float(sent_at), seq=seq, events=events)
+    return wire.Batch(
+        agent=agent, job=job, node=node, sent_at=float(sent_at), seq=seq, events=events, behind=behind
+    )
 
 
 class _Reject(Exception):

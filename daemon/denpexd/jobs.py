@@ -96,6 +96,16 @@ class JobState:
     labels: dict[str, Any] = field(default_factory=dict)
     suppressed: int = 0
     hoisted: set[str] = field(default_factory=set)  # ids of match events fed ahead of their batch
+    marks: dict[str, AgentMark] = field(default_factory=dict)  # agent -> its latest batch's arrival
+
+
+@dataclass(slots=True)
+class AgentMark:
+    """When an agent's latest batch arrived, and how far behind its files it said it was."""
+
+    node: str
+    arrived: float  # monotonic
+    behind: int
 
 
 class JobTable:
@@ -160,6 +170,7 @@ class JobTable:
         """Queue a validated batch; `payload`, its wire form, lets a batch of progress events alone
         be stored as one row (see `store.progress_batch_row`)."""
         state = self._open(batch.job)
+        self._mark(state, batch)
         while len(state.pending) >= self.cfg.job_queue_batches:
             self.metrics.backpressure.inc()
             state.room.clear()
@@ -186,6 +197,7 @@ class JobTable:
         added in, so feeding them early changes nothing but how soon a failure is diagnosed.
         """
         state = self._open(batch.job)
+        self._mark(state, batch)
         seen, hoisted, engine, received = state.seen, state.hoisted, state.engine, self._mono()
         limit = self.cfg.dedup_ids_per_job
         failing, candidates = engine.failing_aggs, engine.candidate_aggs
@@ -205,6 +217,38 @@ class JobTable:
                     state.arrivals[key] = received
         if fed:
             await self._changed(state, failing, candidates)
+
+    def _mark(self, state: JobState, batch: wire.Batch) -> None:
+        mark = state.marks.get(batch.agent)
+        if mark is None:
+            state.marks[batch.agent] = AgentMark(batch.node, self._mono(), batch.behind)
+        else:
+            mark.node, mark.arrived, mark.behind = batch.node, self._mono(), batch.behind
+
+    def alert_wait(self, job: str, doc: dict[str, Any], failing_since: float) -> float:
+        """How long a new incident's first alert should still wait for evidence that may move its
+        initiator (0: fire now). Agents of other nodes that sent nothing since the initiator's
+        event arrived may hold an earlier warning (their next read is due within a poll): wait
+        up to alert_settle_s after that arrival. An agent that said it is catching up on a
+        backlog may hold anything: wait up to alert_catchup_hold_s after the job first looked
+        failed. Agents never heard from cannot be waited for."""
+        state = self.jobs.get(job)
+        ini = doc.get("initiator")
+        if state is None or not ini:
+            return 0.0
+        now = self._mono()
+        # an inferred initiator (a hang, a killed worker) has no event of its own: the evidence
+        # that made the job look failed is what other agents may still contradict
+        arrived = state.arrivals.get((ini["node"], ini["rank"], ini["rule"]), failing_since)
+        wait = 0.0
+        settle_left = arrived + self.cfg.alert_settle_s - now
+        catchup_left = failing_since + self.cfg.alert_catchup_hold_s - now
+        for mark in state.marks.values():
+            if mark.behind > 0 and catchup_left > 0:
+                wait = max(wait, min(catchup_left, 0.25))  # look again soon: it may be done
+            elif mark.node != ini["node"] and mark.arrived < arrived and settle_left > 0:
+                wait = max(wait, settle_left)
+        return wait
 
     async def _changed(
         self, state: JobState, failing: int, candidates: int, *, progress_only: bool = False

@@ -126,6 +126,7 @@ class App:
                 store, self.metrics, sinks, generator=f"http://{cfg.http_listen}", repeat_s=cfg.alert_repeat_s
             )
             table = self.table = JobTable(cfg, self.loaded.rules, store, self.metrics, alerter)
+            alerter.gate = table.alert_wait
             await table.restore()
             ingest = await stack.enter_async_context(Ingest(cfg, table, self.metrics))
             table.bus = ingest

@@ -1,0 +1,147 @@
+"""A new incident's first alert waits (bounded) for evidence other agents may still hold, so it
+names the rank the final diagnosis names: real job table, engine, store and alerter; the alert
+sink at the seam records what would be sent."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from denpex_agent import wire
+from denpex_agent.events import Event
+from denpex_agent.rules import RuleSet
+from denpexd.alerts import Alerter
+from denpexd.config import ServeConfig
+from denpexd.jobs import JobTable
+from denpexd.metrics import Metrics
+from denpexd.store import Store
+
+T0 = 1.8e9
+
+
+class Recorder:
+    name = "recorder"
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[float, dict[str, Any]]] = []
+
+    async def send(self, alerts: Sequence[dict[str, Any]]) -> None:
+        self.sent.extend((time.monotonic(), a) for a in alerts)
+
+
+def _ev(library: RuleSet, node: str, rank: int, rule: str, ts: float, offset: int) -> Event:
+    r = library.get(rule)
+    assert r is not None
+    return Event(
+        id=f"{node}-{rank}-{rule}-{offset}", kind="match", job="job-1", node=node, rank=rank, local_rank=None,
+        file=f"/logs/{node}/rank{rank}.log", offset=offset, line_no=offset, ts=ts, ts_source="line",
+        rule=rule, severity=r.severity, role=r.role, category=r.category, text=rule, fields={},
+    )  # fmt: skip
+
+
+def _steps(node: str, ranks: Sequence[int]) -> list[Event]:
+    return [
+        Event(
+            id=f"{node}-{r}-s{s}", kind="progress", job="job-1", node=node, rank=r, local_rank=None,
+            file=f"/logs/{node}/rank{r}.log", offset=s, line_no=s, ts=T0 + s, ts_source="line",
+            rule="progress-step-line", severity="info", role="progress", category="progress",
+            text=f"step {s}", fields={"step": s},
+        )  # fmt: skip
+        for s in range(1, 6)
+        for r in ranks
+    ]
+
+
+async def _scenario(tmp: Path, library: RuleSet, script: Any, **cfg: Any) -> Recorder:
+    metrics = Metrics(CollectorRegistry())
+    rec = Recorder()
+    async with Store(tmp / "denpex.db") as store:
+        alerter = Alerter(store, metrics, [rec], generator="test")
+        table = JobTable(ServeConfig(**cfg), library, store, metrics, alerter)
+        alerter.gate = table.alert_wait
+        tasks = [asyncio.create_task(t) for t in (table.run_worker(), table.writer.run(), alerter.run())]
+
+        async def send(node: str, events: list[Event], behind: int = 0) -> None:
+            batch = wire.Batch(f"{node}-agent", "job-1", node, time.time(), 1, events, behind=behind)
+            if any(e.kind == "match" for e in events):
+                await table.hoist(batch)
+            await table.submit(batch, lambda: None)
+
+        await send("node1", _steps("node1", [0, 1]))
+        await send("node2", _steps("node2", [2, 3]))
+        await asyncio.sleep(0.05)
+        await script(send)
+        await asyncio.sleep(1.5)
+        for t in tasks:
+            t.cancel()
+    return rec
+
+
+@pytest.mark.asyncio
+async def test_the_first_alert_waits_for_the_other_node_s_earlier_warning(
+    tmp_path: Path, library: RuleSet
+) -> None:
+    """The collateral NaN loss of rank 0 arrives first; rank 3's earlier warning 150 ms later
+    (the other agent's next read). One alert, naming rank 3."""
+
+    async def script(send: Any) -> None:
+        await send("node1", [_ev(library, "node1", 0, "loss-non-finite", T0 + 6.007, 100)])
+        await asyncio.sleep(0.15)
+        await send("node2", [_ev(library, "node2", 3, "megatron-nan-grad-norm", T0 + 6.0, 100)])
+
+    rec = await _scenario(tmp_path, library, script)
+    firing = [a for _, a in rec.sent if "endsAt" not in a]
+    assert [a["labels"]["rank"] for a in firing] == ["3"], rec.sent
+
+
+@pytest.mark.asyncio
+async def test_a_silent_agent_delays_the_alert_by_the_settle_time_at_most(tmp_path: Path, library: RuleSet) -> None:
+    started = time.monotonic()
+
+    async def script(send: Any) -> None:
+        await send("node1", [_ev(library, "node1", 0, "loss-non-finite", T0 + 6.007, 100)])
+
+    rec = await _scenario(tmp_path, library, script, alert_settle_s=0.5)
+    (at, alert), *_ = rec.sent
+    assert alert["labels"]["rank"] == "0"
+    assert 0.5 <= at - started < 0.5 + 0.6  # bounded by alert_settle_s (plus the test's own pauses)
+
+
+@pytest.mark.asyncio
+async def test_an_agent_catching_up_holds_the_alert_until_it_is_done(tmp_path: Path, library: RuleSet) -> None:
+    """node2's agent says it has a backlog: the alert waits for it (here 0.9 s, under the
+    catch-up bound), and names the warning that was in the backlog."""
+
+    async def script(send: Any) -> None:
+        await send("node2", _steps("node2", [2]), behind=1 << 20)
+        await send("node1", [_ev(library, "node1", 0, "loss-non-finite", T0 + 6.007, 100)])
+        await asyncio.sleep(0.9)
+        await send("node2", [_ev(library, "node2", 3, "megatron-nan-grad-norm", T0 + 6.0, 100)], behind=0)
+
+    rec = await _scenario(tmp_path, library, script, alert_settle_s=0.2)
+    firing = [a for _, a in rec.sent if "endsAt" not in a]
+    assert [a["labels"]["rank"] for a in firing] == ["3"], rec.sent
+
+
+@pytest.mark.asyncio
+async def test_an_inferred_initiator_is_held_no_longer_than_the_bounds(tmp_path: Path, library: RuleSet) -> None:
+    """Only timeouts: the hang suspect is held for the hang hold, then alerted, however often
+    new diagnoses come in meanwhile."""
+    started = time.monotonic()
+
+    async def script(send: Any) -> None:
+        for i in range(8):
+            await send("node1", [_ev(library, "node1", 0, "gloo-timeout", T0 + 16 + i * 0.01, 200 + i)])
+            await asyncio.sleep(0.3)
+
+    rec = await _scenario(tmp_path, library, script, alert_settle_s=0.5)
+    firing = [(at - started, a) for at, a in rec.sent if "endsAt" not in a]
+    assert firing, "the hang suspect is alerted"
+    assert firing[0][1]["labels"]["rule"] == "hang-rank-stopped-progress"
+    assert firing[0][0] < 3.0 + 1.0
