@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 BACKOFF_MIN_S = 0.2
 BACKOFF_MAX_S = 10.0
 PUBLISH_TIMEOUT_S = 10.0
+CLOSE_TIMEOUT_S = 1.0  # for a clean disconnect at close; then the connection is dropped
 CONNECT_TIMEOUT_S = 3.0  # until the first connection: a silent broker is tried with 3.1.1 soon
 UNSUPPORTED_PROTOCOL_VERSION = 0x84  # a v5 CONNACK reason; paho reports a 3.1.1 broker's code 1 as it
 
@@ -105,6 +106,7 @@ class Publisher:
         self._client: aiomqtt.Client | None = None
         self._connected = asyncio.Event()
         self._stopping = False
+        self._stop = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._protocol = self._initial_protocol()
         self._settled = False  # a connection succeeded once with self._protocol
@@ -146,10 +148,14 @@ class Publisher:
                     wire.encode_status(self.cfg.agent, self.cfg.node, "offline", time.time()),
                     qos=1,
                     retain=True,
-                    timeout=2.0,
+                    timeout=CLOSE_TIMEOUT_S,
                 )
+        self._stop.set()
         if self._task is not None:
-            self._task.cancel()
+            try:  # the connection task leaves its client's block and disconnects ...
+                await asyncio.wait_for(asyncio.shield(self._task), CLOSE_TIMEOUT_S)
+            except TimeoutError:  # ... or is stopped where it is (a broker that does not answer)
+                self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
@@ -226,16 +232,20 @@ class Publisher:
                     log.info(
                         "connected to broker broker=%s protocol=%s", self.url.redacted(), self._protocol.name
                     )
-                    reply_topic = wire.clock_reply_topic(self.cfg.agent)
-                    async for message in client.messages:
-                        # only our clock replies: a broker may deliver retained messages of other
-                        # topics too (the embedded amqtt broker does), they are not ours to parse
-                        if not message.topic.matches(reply_topic):
-                            self.foreign_messages += 1
-                            continue
-                        if self.on_clock_reply is not None and isinstance(message.payload, bytes):
-                            self.on_clock_reply(message.payload, time.time())
+                    # Until close(): then the block is left normally, so that the client's own
+                    # exit disconnects and collects how the disconnection went (a broker that
+                    # drops the connection on DISCONNECT is reported there, not lost).
+                    reader = asyncio.create_task(self._messages(client), name="mqtt-messages")
+                    stop = asyncio.create_task(self._stop.wait(), name="mqtt-stop")
+                    await asyncio.wait({reader, stop}, return_when=asyncio.FIRST_COMPLETED)
+                    for task in (reader, stop):
+                        task.cancel()
+                        with contextlib.suppress(asyncio.CancelledError):
+                            await task
             except aiomqtt.MqttError as exc:
+                if self._stopping:
+                    log.debug("disconnected on close error=%s", exc)
+                    break
                 self.failures += 1
                 if self._auto_unsettled:
                     # A broker that did not answer the v5 probe in time, or closed the connection,
@@ -270,6 +280,17 @@ class Publisher:
                 break
             await asyncio.sleep(delay * random.uniform(0.5, 1.5))
             delay = min(delay * 2, BACKOFF_MAX_S)
+
+    async def _messages(self, client: aiomqtt.Client) -> None:
+        reply_topic = wire.clock_reply_topic(self.cfg.agent)
+        async for message in client.messages:
+            # only our clock replies: a broker may deliver retained messages of other topics too
+            # (the embedded amqtt broker does), they are not ours to parse
+            if not message.topic.matches(reply_topic):
+                self.foreign_messages += 1
+                continue
+            if self.on_clock_reply is not None and isinstance(message.payload, bytes):
+                self.on_clock_reply(message.payload, time.time())
 
     async def wait_connected(self, seconds: float | None = None) -> bool:
         try:

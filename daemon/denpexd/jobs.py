@@ -127,6 +127,7 @@ class JobTable:
         self._wall, self._mono = wall, monotonic
         self.jobs: OrderedDict[str, JobState] = OrderedDict()  # least recently active first
         self.agents: OrderedDict[str, dict[str, dict[str, Any]]] = OrderedDict()  # job -> agent -> status
+        self._online_since: OrderedDict[tuple[str, str], float] = OrderedDict()  # (job, agent) -> monotonic
         self._online = 0
         self.writer = EventWriter(store, on_wait=metrics.backpressure.inc)
         self._ready: deque[str] = deque()
@@ -230,8 +231,9 @@ class JobTable:
         initiator (0: fire now). Agents of other nodes that sent nothing since the initiator's
         event arrived may hold an earlier warning (their next read is due within a poll): wait
         up to alert_settle_s after that arrival. An agent that said it is catching up on a
-        backlog may hold anything: wait up to alert_catchup_hold_s after the job first looked
-        failed. Agents never heard from cannot be waited for."""
+        backlog, or that (re)connected and has sent nothing since, may hold anything: wait up to
+        alert_catchup_hold_s after the job first looked failed. Agents never heard from cannot be
+        waited for."""
         state = self.jobs.get(job)
         ini = doc.get("initiator")
         if state is None or not ini:
@@ -243,7 +245,18 @@ class JobTable:
         wait = 0.0
         settle_left = arrived + self.cfg.alert_settle_s - now
         catchup_left = failing_since + self.cfg.alert_catchup_hold_s - now
-        for mark in state.marks.values():
+        statuses = self.agents.get(job, {})
+        for agent, status in statuses.items():
+            if status["state"] != "online" or catchup_left <= 0:
+                continue
+            since = self._online_since.get((job, agent))
+            mark = state.marks.get(agent)
+            if since is not None and (mark is None or mark.arrived < since):
+                # (re)connected and not heard from since: its first read is on its way
+                wait = max(wait, min(catchup_left, 0.25))
+        for agent, mark in state.marks.items():
+            if statuses.get(agent, {}).get("state") == "offline":
+                continue
             if mark.behind > 0 and catchup_left > 0:
                 wait = max(wait, min(catchup_left, 0.25))  # look again soon: it may be done
             elif mark.node != ini["node"] and mark.arrived < arrived and settle_left > 0:
@@ -271,6 +284,11 @@ class JobTable:
         old = per_job.get(agent)
         self._online -= 1 if old is not None and old["state"] == "online" else 0
         per_job[agent] = {"agent": agent, "node": node, "state": state, "at": self._wall()}
+        if state == "online":
+            self._online_since[(job, agent)] = self._mono()
+            self._online_since.move_to_end((job, agent))
+            while len(self._online_since) > MAX_AGENT_JOBS:
+                self._online_since.popitem(last=False)
         self._online += 1 if state == "online" else 0
         while len(self.agents) > MAX_AGENT_JOBS:
             _, gone = self.agents.popitem(last=False)

@@ -48,17 +48,32 @@ def _ev(library: RuleSet, node: str, rank: int, rule: str, ts: float, offset: in
 def _steps(node: str, ranks: Sequence[int]) -> list[Event]:
     return [
         Event(
-            id=f"{node}-{r}-s{s}", kind="progress", job="job-1", node=node, rank=r, local_rank=None,
-            file=f"/logs/{node}/rank{r}.log", offset=s, line_no=s, ts=T0 + s, ts_source="line",
-            rule="progress-step-line", severity="info", role="progress", category="progress",
-            text=f"step {s}", fields={"step": s},
+            id=f"{node}-{r}-s{s}",
+            kind="progress",
+            job="job-1",
+            node=node,
+            rank=r,
+            local_rank=None,
+            file=f"/logs/{node}/rank{r}.log",
+            offset=s,
+            line_no=s,
+            ts=T0 + s,
+            ts_source="line",
+            rule="progress-step-line",
+            severity="info",
+            role="progress",
+            category="progress",
+            text=f"step {s}",
+            fields={"step": s},
         )  # fmt: skip
         for s in range(1, 6)
         for r in ranks
     ]
 
 
-async def _scenario(tmp: Path, library: RuleSet, script: Any, **cfg: Any) -> Recorder:
+async def _scenario(
+    tmp: Path, library: RuleSet, script: Any, *, node2_first: bool = True, **cfg: Any
+) -> Recorder:
     metrics = Metrics(CollectorRegistry())
     rec = Recorder()
     async with Store(tmp / "denpex.db") as store:
@@ -74,7 +89,10 @@ async def _scenario(tmp: Path, library: RuleSet, script: Any, **cfg: Any) -> Rec
             await table.submit(batch, lambda: None)
 
         await send("node1", _steps("node1", [0, 1]))
-        await send("node2", _steps("node2", [2, 3]))
+        if node2_first:
+            await send("node2", _steps("node2", [2, 3]))
+        else:  # its agent connected (its status says online) and has not read anything yet
+            table.agent_status("job-1", "node2-agent", "node2", "online")
         await asyncio.sleep(0.05)
         await script(send)
         await asyncio.sleep(1.5)
@@ -101,7 +119,9 @@ async def test_the_first_alert_waits_for_the_other_node_s_earlier_warning(
 
 
 @pytest.mark.asyncio
-async def test_a_silent_agent_delays_the_alert_by_the_settle_time_at_most(tmp_path: Path, library: RuleSet) -> None:
+async def test_a_silent_agent_delays_the_alert_by_the_settle_time_at_most(
+    tmp_path: Path, library: RuleSet
+) -> None:
     started = time.monotonic()
 
     async def script(send: Any) -> None:
@@ -114,7 +134,9 @@ async def test_a_silent_agent_delays_the_alert_by_the_settle_time_at_most(tmp_pa
 
 
 @pytest.mark.asyncio
-async def test_an_agent_catching_up_holds_the_alert_until_it_is_done(tmp_path: Path, library: RuleSet) -> None:
+async def test_an_agent_catching_up_holds_the_alert_until_it_is_done(
+    tmp_path: Path, library: RuleSet
+) -> None:
     """node2's agent says it has a backlog: the alert waits for it (here 0.9 s, under the
     catch-up bound), and names the warning that was in the backlog."""
 
@@ -130,7 +152,9 @@ async def test_an_agent_catching_up_holds_the_alert_until_it_is_done(tmp_path: P
 
 
 @pytest.mark.asyncio
-async def test_an_inferred_initiator_is_held_no_longer_than_the_bounds(tmp_path: Path, library: RuleSet) -> None:
+async def test_an_inferred_initiator_is_held_no_longer_than_the_bounds(
+    tmp_path: Path, library: RuleSet
+) -> None:
     """Only timeouts: the hang suspect is held for the hang hold, then alerted, however often
     new diagnoses come in meanwhile."""
     started = time.monotonic()
@@ -145,3 +169,21 @@ async def test_an_inferred_initiator_is_held_no_longer_than_the_bounds(tmp_path:
     assert firing, "the hang suspect is alerted"
     assert firing[0][1]["labels"]["rule"] == "hang-rank-stopped-progress"
     assert firing[0][0] < 3.0 + 1.0
+
+
+@pytest.mark.asyncio
+async def test_an_agent_that_just_connected_is_waited_for(tmp_path: Path, library: RuleSet) -> None:
+    """Agents started after the logs were written: node2's agent is online but its first read
+    comes 0.8 s after node1's (longer than the settle time): the alert waits for it."""
+
+    async def script(send: Any) -> None:
+        await send("node1", [_ev(library, "node1", 0, "loss-non-finite", T0 + 6.007, 100)])
+        await asyncio.sleep(0.8)
+        await send(
+            "node2",
+            [*_steps("node2", [2, 3]), _ev(library, "node2", 3, "megatron-nan-grad-norm", T0 + 6.0, 100)],
+        )
+
+    rec = await _scenario(tmp_path, library, script, node2_first=False, alert_settle_s=0.3)
+    firing = [a for _, a in rec.sent if "endsAt" not in a]
+    assert [a["labels"]["rank"] for a in firing] == ["3"], rec.sent
