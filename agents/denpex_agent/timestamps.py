@@ -99,3 +99,14 @@ def format_iso(epoch: float) -> str:
     """ISO-8601 UTC with milliseconds, e.g. ``2026-11-29T12:00:01.123Z``."""
     dt = datetime.fromtimestamp(epoch, tz=UTC)
     return dt.strftime("%Y-%m-%dT%H:%M:%S.") + f"{dt.microsecond // 1000:03d}Z"
+
+
+def parse_iso(text: str) -> float | None:
+    """The epoch seconds of a `format_iso` string (any ISO-8601 with a zone); None if it is not one."""
+    try:
+        when = datetime.fromisoformat(text)
+    except ValueError:
+        return None
+    if when.tzinfo is None:
+        return None
+    return when.timestamp()

@@ -319,11 +319,19 @@ def encode_status(agent: str, node: str, state: str, at: float) -> bytes:
 
 
 def decode_status(payload: bytes) -> tuple[str, str, str]:
+    agent, node, state, _lost = decode_status_full(payload)
+    return agent, node, state
+
+
+def decode_status_full(payload: bytes) -> tuple[str, str, str, bool]:
+    """(agent, node, state, lost): ``lost`` for the last will (an ``offline`` the broker
+    published for an agent that died, marked by its time 0), not an agent's own goodbye."""
     doc = _small_object(payload)
     state = doc.get("state")
     if state not in ("online", "offline"):
         raise WireError("state must be online or offline")
-    return check_id("agent", doc.get("agent")), check_id("node", doc.get("node")), str(state)
+    lost = state == "offline" and doc.get("at") == 0
+    return check_id("agent", doc.get("agent")), check_id("node", doc.get("node")), str(state), lost
 
 
 def _small_object(payload: bytes) -> dict[str, Any]:

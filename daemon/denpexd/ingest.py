@@ -67,7 +67,7 @@ class BatchSink(Protocol):
 
     async def hoist(self, batch: wire.Batch) -> None: ...
 
-    def agent_status(self, job: str, agent: str, node: str, state: str) -> None: ...
+    def agent_status(self, job: str, agent: str, node: str, state: str, lost: bool = False) -> None: ...
 
 
 class Bus(Protocol):
@@ -386,8 +386,8 @@ class Ingest:
                 ack()
                 return None
             else:
-                a, node, state = wire.decode_status(payload)
-                self.sink.agent_status(job, a, node, state)
+                a, node, state, lost = wire.decode_status_full(payload)
+                self.sink.agent_status(job, a, node, state, lost)
                 ack()
                 return None
         except wire.WireError as exc:

@@ -28,6 +28,7 @@ import orjson
 from denpex_agent import wire
 from denpex_agent.events import Event
 from denpex_agent.rules import RuleSet
+from denpex_agent.timestamps import parse_iso
 from denpexd.alerts import Alerter
 from denpexd.config import ServeConfig
 from denpexd.engine import Engine
@@ -38,6 +39,9 @@ from denpexd.store import EventWriter, Store, event_row, progress_batch_row
 log = logging.getLogger(__name__)
 
 MAX_AGENT_JOBS = 100_000  # jobs whose agents' statuses are remembered
+LOST_AGENT_WAIT_S = 3.0  # how long a new incident's alert waits for an agent that died to return
+HISTORICAL_S = 60.0  # a failure written longer ago than this is read from history (catch-up)
+HISTORICAL_QUIET_S = 2.0  # ... and its alert waits for this long a pause in the job's batches
 # The retained diagnosis on MQTT stays below what brokers take by default (EMQX 1 MB, our
 # deploy/broker Mosquitto 1 MiB; a larger packet gets the daemon disconnected). A job with
 # thousands of ranks in its collateral and rank table exceeds it: its MQTT copy carries the first
@@ -247,11 +251,15 @@ class JobTable:
         catchup_left = failing_since + self.cfg.alert_catchup_hold_s - now
         statuses = self.agents.get(job, {})
         for agent, status in statuses.items():
-            if status["state"] != "online" or catchup_left <= 0:
-                continue
             since = self._online_since.get((job, agent))
+            if since is None or catchup_left <= 0:
+                continue
             mark = state.marks.get(agent)
-            if since is not None and (mark is None or mark.arrived < since):
+            if status.get("lost"):
+                # died without a goodbye: a supervisor restarts it within seconds, and what its
+                # node wrote meanwhile is read then
+                wait = max(wait, min(catchup_left, since + LOST_AGENT_WAIT_S - now, 0.25))
+            elif status["state"] == "online" and (mark is None or mark.arrived < since):
                 # (re)connected and not heard from since: its first read is on its way
                 wait = max(wait, min(catchup_left, 0.25))
         for agent, mark in state.marks.items():
@@ -261,7 +269,26 @@ class JobTable:
                 wait = max(wait, min(catchup_left, 0.25))  # look again soon: it may be done
             elif mark.node != ini["node"] and mark.arrived < arrived and settle_left > 0:
                 wait = max(wait, settle_left)
+        if catchup_left > 0 and self._historical(ini, doc):
+            # the failure is old news: the agents are reading history (started after the job
+            # failed, or catching up after an outage), agents may still be starting and may hold
+            # anything: wait until the job's batches have paused for HISTORICAL_QUIET_S
+            last = max((m.arrived for m in state.marks.values()), default=now)
+            quiet_left = last + HISTORICAL_QUIET_S - now
+            if quiet_left > 0:
+                wait = max(wait, min(catchup_left, quiet_left))
         return wait
+
+    def _historical(self, ini: dict[str, Any], doc: dict[str, Any]) -> bool:
+        """Whether the initiator's line was written long before now on its node's clock (the
+        node's offset from the diagnosis, so a skewed clock does not make fresh news old)."""
+        local = ini.get("local_time")
+        if not isinstance(local, str):
+            return False
+        ts = parse_iso(local)
+        if ts is None:
+            return False
+        return self._wall() - ts > HISTORICAL_S
 
     async def _changed(
         self, state: JobState, failing: int, candidates: int, *, progress_only: bool = False
@@ -278,13 +305,16 @@ class JobTable:
         else:
             self._mark_dirty(state, progress_only=progress_only)
 
-    def agent_status(self, job: str, agent: str, node: str, state: str) -> None:
+    def agent_status(self, job: str, agent: str, node: str, state: str, lost: bool = False) -> None:
+        """An agent's announced state; ``lost``: the broker's last will for an agent that died."""
         per_job = self.agents.setdefault(job, {})
         self.agents.move_to_end(job)
         old = per_job.get(agent)
         self._online -= 1 if old is not None and old["state"] == "online" else 0
         per_job[agent] = {"agent": agent, "node": node, "state": state, "at": self._wall()}
-        if state == "online":
+        if lost:
+            per_job[agent]["lost"] = True
+        if state == "online" or lost:
             self._online_since[(job, agent)] = self._mono()
             self._online_since.move_to_end((job, agent))
             while len(self._online_since) > MAX_AGENT_JOBS:

@@ -7,7 +7,9 @@ live diagnosis to settle and compares `denpexd query --json` with `denpexd diagn
 The writing follows one of four variants:
 
 * ``paced``: each line at its true time (its timestamp minus the node's ``skew_s``; a line
-  without a timestamp inherits the previous one's), ``SPEED`` times faster, whole lines;
+  without a timestamp inherits the previous one's), ``SPEED`` times faster, whole lines, every
+  timestamp moved by one constant so that the job starts now (the failure is news, as in a live
+  job; `catchup` keeps the recorded times: history);
 * ``split``: the same pacing, but every file's byte stream is cut at random offsets (inside
   lines, inside tracebacks, and at every pause of the pacing), with a random pause of up to
   ``SPLIT_PAUSE_S`` before each piece that continues a line; seeded per job (`split_seed`);
@@ -45,6 +47,7 @@ import aiomqtt
 from denpex_agent import wire
 from denpex_agent.reader import ReadReport, discover
 from denpex_agent.timestamps import parse_timestamp
+from tests.fixtures.make_jobs import shift_text
 from tests.integration.agent_harness import agent_cmd, free_port, start_agent, stop
 from tests.integration.replay import JOBS, MOSQUITTO, AlertReceiver, Daemon, forget_session, query_json
 
@@ -99,6 +102,34 @@ class Corpus:
     name: str
     src: Path
     files: tuple[SourceFile, ...]
+    t0: float = 0.0  # the epoch time of the first line (true time)
+    year: int = 2026  # the year of the recording (for timestamps that carry none)
+
+    def starting_now(self) -> Corpus:
+        """The same bytes with every timestamp moved by one constant so the job starts now (the
+        nodes' skew kept): timestamps keep their width, offsets stay the same."""
+        shift = time.time() - self.t0
+        return Corpus(
+            self.name,
+            self.src,
+            tuple(
+                SourceFile(
+                    f.rel,
+                    tuple(
+                        (
+                            t,
+                            shift_text(line.decode("utf-8", "surrogateescape"), shift, self.year).encode(
+                                "utf-8", "surrogateescape"
+                            ),
+                        )
+                        for t, line in f.lines
+                    ),
+                )
+                for f in self.files
+            ),
+            self.t0 + shift,
+            self.year,
+        )
 
     @property
     def nodes(self) -> list[str]:
@@ -147,7 +178,7 @@ def load_corpus(name: str, root: Path = JOBS) -> Corpus:
         SourceFile(rel, tuple((max((t if t is not None else t0) - t0, 0.0), line) for t, line in timed))
         for rel, timed in raw
     )
-    return Corpus(name, src, files)
+    return Corpus(name, src, files, t0, time.gmtime(t0).tm_year)
 
 
 def split_seed(job: str) -> int:
@@ -618,6 +649,8 @@ async def replay_job(
             result.seed = split_seed(corpus.name)
         if variant == "catchup":
             write_all_now(corpus, dest)
+        else:
+            corpus = corpus.starting_now()
         await agents.start_all(connected=True)
         result.phase("agents up")
         if variant != "catchup":

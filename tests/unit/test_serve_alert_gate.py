@@ -45,7 +45,7 @@ def _ev(library: RuleSet, node: str, rank: int, rule: str, ts: float, offset: in
     )  # fmt: skip
 
 
-def _steps(node: str, ranks: Sequence[int]) -> list[Event]:
+def _steps(node: str, ranks: Sequence[int], shift: float = 0.0) -> list[Event]:
     return [
         Event(
             id=f"{node}-{r}-s{s}",
@@ -65,14 +65,21 @@ def _steps(node: str, ranks: Sequence[int]) -> list[Event]:
             category="progress",
             text=f"step {s}",
             fields={"step": s},
-        )  # fmt: skip
+        )
         for s in range(1, 6)
         for r in ranks
     ]
 
 
 async def _scenario(
-    tmp: Path, library: RuleSet, script: Any, *, node2_first: bool = True, **cfg: Any
+    tmp: Path,
+    library: RuleSet,
+    script: Any,
+    *,
+    node2_first: bool = True,
+    node2_lost: bool = False,
+    shift: float = 0.0,
+    **cfg: Any,
 ) -> Recorder:
     metrics = Metrics(CollectorRegistry())
     rec = Recorder()
@@ -82,17 +89,21 @@ async def _scenario(
         alerter.gate = table.alert_wait
         tasks = [asyncio.create_task(t) for t in (table.run_worker(), table.writer.run(), alerter.run())]
 
-        async def send(node: str, events: list[Event], behind: int = 0) -> None:
+        async def send(node: str, events: list[Event], behind: int = 0, online: bool = False) -> None:
+            if online:  # the agent (re)connected: its status comes first
+                table.agent_status("job-1", f"{node}-agent", node, "online")
             batch = wire.Batch(f"{node}-agent", "job-1", node, time.time(), 1, events, behind=behind)
             if any(e.kind == "match" for e in events):
                 await table.hoist(batch)
             await table.submit(batch, lambda: None)
 
-        await send("node1", _steps("node1", [0, 1]))
+        await send("node1", _steps("node1", [0, 1], shift))
         if node2_first:
-            await send("node2", _steps("node2", [2, 3]))
+            await send("node2", _steps("node2", [2, 3], shift))
         else:  # its agent connected (its status says online) and has not read anything yet
             table.agent_status("job-1", "node2-agent", "node2", "online")
+        if node2_lost:
+            table.agent_status("job-1", "node2-agent", "node2", "offline", lost=True)
         await asyncio.sleep(0.05)
         await script(send)
         await asyncio.sleep(1.5)
@@ -185,5 +196,38 @@ async def test_an_agent_that_just_connected_is_waited_for(tmp_path: Path, librar
         )
 
     rec = await _scenario(tmp_path, library, script, node2_first=False, alert_settle_s=0.3)
+    firing = [a for _, a in rec.sent if "endsAt" not in a]
+    assert [a["labels"]["rank"] for a in firing] == ["3"], rec.sent
+
+
+@pytest.mark.asyncio
+async def test_old_news_waits_for_agents_that_are_still_starting(tmp_path: Path, library: RuleSet) -> None:
+    """Agents started on logs of a job that failed an hour ago: node2's agent, never heard of
+    before, delivers 0.8 s after node1's. The failure is history: the alert waits for a pause in
+    the job's batches, and names the rank the whole evidence names."""
+    old = time.time() - 3600 - T0
+
+    async def script(send: Any) -> None:
+        await send("node1", [_ev(library, "node1", 0, "loss-non-finite", T0 + old + 6.007, 100)])
+        await asyncio.sleep(0.8)
+        await send("node2", [_ev(library, "node2", 3, "megatron-nan-grad-norm", T0 + old + 6.0, 100)])
+        await asyncio.sleep(2.0)  # the pause the alert waits for
+
+    rec = await _scenario(tmp_path, library, script, node2_first=False, alert_settle_s=0.3, shift=old)
+    firing = [a for _, a in rec.sent if "endsAt" not in a]
+    assert [a["labels"]["rank"] for a in firing] == ["3"], rec.sent
+
+
+@pytest.mark.asyncio
+async def test_an_agent_that_died_is_waited_for_a_little(tmp_path: Path, library: RuleSet) -> None:
+    """node2's agent was killed (its last will says so) and comes back 1 s later with the warning
+    its node wrote meanwhile."""
+
+    async def script(send: Any) -> None:
+        await send("node1", [_ev(library, "node1", 0, "loss-non-finite", T0 + 6.007, 100)])
+        await asyncio.sleep(1.0)
+        await send("node2", [_ev(library, "node2", 3, "megatron-nan-grad-norm", T0 + 6.0, 100)], online=True)
+
+    rec = await _scenario(tmp_path, library, script, node2_lost=True, alert_settle_s=0.3)
     firing = [a for _, a in rec.sent if "endsAt" not in a]
     assert [a["labels"]["rank"] for a in firing] == ["3"], rec.sent
