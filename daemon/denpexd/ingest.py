@@ -386,8 +386,17 @@ class Ingest:
                 ack()
                 return None
             else:
+                if not payload:  # a retained status deleted (see below): nothing to say
+                    ack()
+                    return None
                 a, node, state, lost = wire.decode_status_full(payload)
                 self.sink.agent_status(job, a, node, state, lost)
+                if not self.external:
+                    # The embedded broker (amqtt) sends every retained message that matches any
+                    # client's subscription to each client that connects (and can fail doing so
+                    # while others subscribe): once read here, an agent's retained status is
+                    # deleted (an empty retained message); the daemon keeps the state itself.
+                    self._publish_nowait(topic, b"", True, 0)
                 ack()
                 return None
         except wire.WireError as exc:

@@ -39,7 +39,9 @@ from denpexd.store import EventWriter, Store, event_row, progress_batch_row
 log = logging.getLogger(__name__)
 
 MAX_AGENT_JOBS = 100_000  # jobs whose agents' statuses are remembered
-LOST_AGENT_WAIT_S = 3.0  # how long a new incident's alert waits for an agent that died to return
+# how long a new incident's alert waits for an agent that died to come back (a supervisor
+# restarts it within seconds: systemd's RestartSec=2s, then its own start)
+LOST_AGENT_WAIT_S = 5.0
 HISTORICAL_S = 60.0  # a failure written longer ago than this is read from history (catch-up)
 HISTORICAL_QUIET_S = 2.0  # ... and its alert waits for this long a pause in the job's batches
 # The retained diagnosis on MQTT stays below what brokers take by default (EMQX 1 MB, our
