@@ -98,6 +98,7 @@ class JobState:
     diagnosis_cost: float = 0.0
     diagnosis: dict[str, Any] | None = None
     arrivals: dict[tuple[str, int | None, str], float] = field(default_factory=dict)
+    sent: dict[tuple[str, int | None, str], float] = field(default_factory=dict)  # its batch's sent_at
     failure_observed: bool = False
     labels: dict[str, Any] = field(default_factory=dict)
     suppressed: int = 0
@@ -112,6 +113,7 @@ class AgentMark:
     node: str
     arrived: float  # monotonic
     behind: int
+    sent_at: float  # when the agent sent it (its clock: after the read it carries)
 
 
 class JobTable:
@@ -222,15 +224,17 @@ class JobTable:
                 key = (ev.node, ev.rank, ev.rule)
                 if key not in state.arrivals:
                     state.arrivals[key] = received
+                    state.sent[key] = batch.sent_at
         if fed:
             await self._changed(state, failing, candidates)
 
     def _mark(self, state: JobState, batch: wire.Batch) -> None:
         mark = state.marks.get(batch.agent)
         if mark is None:
-            state.marks[batch.agent] = AgentMark(batch.node, self._mono(), batch.behind)
+            state.marks[batch.agent] = AgentMark(batch.node, self._mono(), batch.behind, batch.sent_at)
         else:
             mark.node, mark.arrived, mark.behind = batch.node, self._mono(), batch.behind
+            mark.sent_at = max(mark.sent_at, batch.sent_at)
 
     def alert_wait(self, job: str, doc: dict[str, Any], failing_since: float) -> float:
         """How long a new incident's first alert should still wait for evidence that may move its
@@ -269,7 +273,11 @@ class JobTable:
                 continue
             if mark.behind > 0 and catchup_left > 0:
                 wait = max(wait, min(catchup_left, 0.25))  # look again soon: it may be done
-            elif mark.node != ini["node"] and mark.arrived < arrived and settle_left > 0:
+            elif (
+                mark.node != ini["node"]
+                and settle_left > 0
+                and not self._read_past(mark, state, ini, arrived)
+            ):
                 wait = max(wait, settle_left)
         if catchup_left > 0 and self._historical(ini, doc):
             # the failure is old news: the agents are reading history (started after the job
@@ -280,6 +288,17 @@ class JobTable:
             if quiet_left > 0:
                 wait = max(wait, min(catchup_left, quiet_left))
         return wait
+
+    @staticmethod
+    def _read_past(mark: AgentMark, state: JobState, ini: dict[str, Any], arrived: float) -> bool:
+        """Whether an agent has sent a batch read after the initiator's line was read (so after
+        it was written: anything its node wrote before is in): compared on the agents' clocks,
+        which NTP keeps within milliseconds, when the initiator came in a batch of its own; else
+        on arrival at the daemon."""
+        sent = state.sent.get((ini["node"], ini["rank"], ini["rule"]))
+        if sent is not None:
+            return mark.sent_at >= sent
+        return mark.arrived >= arrived
 
     def _historical(self, ini: dict[str, Any], doc: dict[str, Any]) -> bool:
         """Whether the initiator's line was written long before now on its node's clock (the
@@ -392,6 +411,7 @@ class JobTable:
                 key = (ev.node, ev.rank, ev.rule)
                 if key not in state.arrivals:
                     state.arrivals[key] = received
+                    state.sent[key] = batch.sent_at
                 rule = self.rules.get(ev.rule)
                 if rule is not None and rule.fingerprint == "nan":
                     nan["error" if ev.severity in ("error", "critical") else "warn"] += 1

@@ -142,6 +142,11 @@ class Metrics:
             buckets=_LATENCY_BUCKETS, registry=r,
         )  # fmt: skip
         self.reloads = Counter("denpex_reloads_total", "SIGHUP reloads", ["result"], registry=r)
+        self.broker_client_failures = Counter(
+            "denpex_broker_client_failures_total",
+            "Client connections the embedded broker lost to an error of its own (the client reconnects)",
+            registry=r,
+        )
         self._kind = {k: self.events_ingested.labels(k) for k in KINDS}
         self._dup = {k: self.events_duplicate.labels(k) for k in KINDS}
         self._drop = {k: self.events_dropped.labels(k) for k in KINDS}

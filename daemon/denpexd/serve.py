@@ -118,7 +118,9 @@ class App:
         async with contextlib.AsyncExitStack() as stack:
             store = await stack.enter_async_context(Store(cfg.store_path))
             if cfg.broker is None:
-                await stack.enter_async_context(EmbeddedBroker(cfg.mqtt_listen))
+                await stack.enter_async_context(
+                    EmbeddedBroker(cfg.mqtt_listen, on_client_failure=self.metrics.broker_client_failures.inc)
+                )
             sinks: list[AlertSink] = []
             if cfg.alertmanager:
                 sinks.append(await stack.enter_async_context(AlertmanagerSink(cfg.alertmanager)))
