@@ -85,6 +85,38 @@ def test_usage_errors_exit_2(tmp_path: Path) -> None:
     assert p.returncode == 2 and "invalid rules" in p.stderr
 
 
+def test_nothing_to_read_and_a_layout_that_matches_nothing_are_errors(tmp_path: Path) -> None:
+    (tmp_path / "empty").mkdir()
+    p = denpexd("diagnose", str(tmp_path / "empty"))
+    assert (
+        p.returncode == 2
+        and f"no log files (*.log *.txt *.out *.err stdout stderr) found in {tmp_path / 'empty'}" in p.stderr
+    )
+    assert p.stdout == ""  # no "HEALTHY" for a directory with nothing in it
+    example = REPO / "examples" / "job-4711"
+    p = denpexd("diagnose", str(example), "--layout", "logs/{node}/{rank}.txt")
+    assert p.returncode == 2 and "matches none of the 6 log file(s)" in p.stderr and p.stdout == ""
+
+
+def _summary(doc: dict[str, object]) -> tuple[object, ...]:
+    ini = doc["initiator"] or {}
+    assert isinstance(ini, dict)
+    return (doc["job"], doc["verdict"], ini.get("node"), ini.get("rank"), ini.get("rule"), ini.get("confidence"),
+            doc["collateral_ranks"], doc["clock"])  # fmt: skip
+
+
+def test_each_directory_argument_is_a_node() -> None:
+    """`diagnose node1/ node2/` reads what `diagnose .` reads in their parent (the README's own
+    example, with and without its --layout)."""
+    example = REPO / "examples" / "job-4711"
+    whole = json.loads(denpexd("diagnose", ".", "--format", "json", cwd=example).stdout)
+    for extra in ([], ["--layout", "{node}/rank{rank}.log"], ["--job", "job-4711"]):
+        p = denpexd("diagnose", "node1/", "node2/", "--format", "json", *extra, cwd=example)
+        assert p.returncode == 0, p.stderr
+        assert _summary(json.loads(p.stdout)) == _summary(whole), extra
+    assert whole["initiator"]["node"] == "node2" and whole["initiator"]["rank"] == 3
+
+
 def test_hostile_input_gives_warnings_not_crashes(tmp_path: Path) -> None:
     job = tmp_path / "job"
     n = job / "node1"
