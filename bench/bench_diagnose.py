@@ -706,14 +706,6 @@ def main(argv: list[str] | None = None) -> int:
     for name, size in (("main", total), ("small", small)):
         root = workdir / f"job-{fmt_size(size)}-{a.files}f-s{a.seed}"
         jobs[name] = build_job(root, size, a.files, a.seed, failure_rate, a.regen)
-    from denpex_agent.scanner import DENSE_BYTES
-
-    for name, j in jobs.items():
-        if j["bytes"] // j["files"] <= DENSE_BYTES:
-            print(
-                f"  note: the {name} directory's files are at most {DENSE_BYTES >> 20} MiB: denpexd samples "
-                "every step line in a file's first MiB as progress (scanner.DENSE_BYTES), which costs far more CPU"
-            )
     print("  warming the page cache ...", flush=True)
     warm_cache(jobs["main"]["paths"] + jobs["small"]["paths"])
 

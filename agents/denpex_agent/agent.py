@@ -432,7 +432,7 @@ class Agent:
                 self.published_events += len(part)
             for i in items:
                 for mk in i.marks:
-                    self.checkpoints.advance(mk.identity, mk.path, mk.offset, mk.line_no, mk.sampled_bucket)
+                    self.checkpoints.advance(mk.identity, mk.path, mk.offset, mk.line_no, mk.sampling)
             with self._lock:
                 self._inflight -= size
                 if self._inflight < cfg.max_inflight_bytes:

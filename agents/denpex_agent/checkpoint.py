@@ -29,7 +29,7 @@ class Position:
     offset: int
     line_no: int
     updated: float
-    sampled_bucket: int = -1  # the scanner's progress-sampling state at offset
+    sampling: tuple[int, int] | None = None  # the scanner's progress-sampling state at offset
 
 
 class Checkpoints:
@@ -57,14 +57,15 @@ class Checkpoints:
             if doc.get("agent") not in (None, self.agent):
                 warnings.append(f"{self.path}: written by agent {doc.get('agent')!r}; positions reused")
             for ident, p in doc["files"].items():
+                sampling = p.get("sampling")
                 pos = Position(
                     str(p["path"]),
                     int(p["offset"]),
                     int(p["line_no"]),
                     float(p["updated"]),
-                    int(p.get("sampled_bucket", -1)),
+                    (int(sampling[0]), int(sampling[1])) if sampling is not None else None,
                 )
-                if pos.offset < 0 or pos.line_no < 1 or pos.sampled_bucket < -1:
+                if pos.offset < 0 or pos.line_no < 1 or (pos.sampling is not None and min(pos.sampling) < -1):
                     raise ValueError(f"position {ident}: offset {pos.offset}, line {pos.line_no}")
                 self.positions[ident] = pos
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
@@ -79,11 +80,13 @@ class Checkpoints:
     def get(self, identity: str) -> Position | None:
         return self.positions.get(identity)
 
-    def advance(self, identity: str, path: str, offset: int, line_no: int, sampled_bucket: int = -1) -> None:
+    def advance(
+        self, identity: str, path: str, offset: int, line_no: int, sampling: tuple[int, int] | None = None
+    ) -> None:
         cur = self.positions.get(identity)
         if cur is not None and offset <= cur.offset:
             return
-        self.positions[identity] = Position(path, offset, line_no, time.time(), sampled_bucket)
+        self.positions[identity] = Position(path, offset, line_no, time.time(), sampling)
         self.dirty = True
 
     def snapshot(self) -> bytes | None:
@@ -97,7 +100,7 @@ class Checkpoints:
                 "offset": p.offset,
                 "line_no": p.line_no,
                 "updated": p.updated,
-                "sampled_bucket": p.sampled_bucket,
+                "sampling": p.sampling,
             }
             for ident, p in self.positions.items()
             if now - p.updated < FORGET_AFTER_S

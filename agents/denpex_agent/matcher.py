@@ -288,34 +288,38 @@ class Matcher:
             return None
         return Hit(start=start, end=end, line=line, rule=best[1], fields=best[2])
 
-    def progress(self, buf: bytes, start: int, stop: int, first_only: bool) -> list[Hit]:
-        """Verified progress lines whose match ends in ``buf[start:stop]`` (the first if
-        first_only), in buffer order. ``start`` must be a line start. Each line is verified
-        against its candidate rules in library order, lines in order, whatever order the
-        candidates were reported in."""
+    def progress(self, buf: bytes, start: int, stop: int, limit: int | None = None) -> list[Hit]:
+        """Verified progress lines whose match ends in ``buf[start:stop]`` (the first ``limit``
+        of them), in buffer order. ``start`` must be a line start. Candidates arrive in order of
+        their end (hyperscan reports them so): those of one line are gathered, and the line is
+        verified against each candidate rule in library order when the first candidate of a
+        later line arrives; the scan stops once ``limit`` lines are verified."""
         if not self.progress_rules:
             return []
         data = buf[start:stop]
-        raw: list[tuple[int, int]] = []
-
-        def collect(idx: int, to: int) -> None:
-            raw.append((to, idx))
-
-        self._progress_db.scan(data, collect)
-        raw.sort()
         found: list[Hit] = []
-        i, n = 0, len(raw)
-        while i < n:
-            ls, le = line_bounds(data, max(raw[i][0] - 1, 0), len(data))
-            candidates: list[int] = []
-            while i < n and raw[i][0] <= le + 1:  # consumes at least raw[i]: always advances
-                candidates.append(raw[i][1])
-                i += 1
-            hit = self._verify_progress(data, ls, le, candidates)
+        line = [-1, -1]  # bounds of the line whose candidates are being gathered
+        pending: list[int] = []
+
+        def verify() -> bool:
+            """Verify the gathered line; True once ``limit`` lines are found."""
+            hit = self._verify_progress(data, line[0], line[1], pending)
+            pending.clear()
             if hit is not None:
                 found.append(Hit(hit.start + start, hit.end + start, hit.line, hit.rule, hit.fields))
-                if first_only:
-                    break
+            return limit is not None and len(found) >= limit
+
+        def on_hit(idx: int, to: int) -> bool | None:
+            if line[1] < 0 or to > line[1] + 1:  # the first candidate of another line
+                if pending and verify():
+                    return True
+                line[0], line[1] = line_bounds(data, max(to - 1, 0), len(data))
+            pending.append(idx)
+            return None
+
+        self._progress_db.scan(data, on_hit)
+        if pending and not (limit is not None and len(found) >= limit):
+            verify()
         return found
 
     def _verify_progress(self, data: bytes, ls: int, le: int, candidates: Sequence[int]) -> Hit | None:

@@ -11,10 +11,10 @@ record whose end has not arrived yet stays open across reads; `flush()` closes i
 goes quiet (`idle`: a traceback whose exception line was read; `force`: anything, after a longer
 fold timeout or when the file is closed).
 
-Progress (step) lines are *sampled* by a rule of the bytes alone: every step line that starts
-in the first `dense_bytes` of the file, then the first step line starting in each following
-`stride`-byte bucket. Live and post-mortem reading therefore give the clock estimator the very
-same samples. Besides samples, the newest step line of what was read goes out as a *tip*
+Progress (step) lines are *sampled* by a rule of the bytes alone: a file's first `dense` step
+lines, then the first step line that starts in each `stride`-byte bucket of the file not
+sampled yet. Live and post-mortem reading therefore give the clock estimator the very same
+samples (the state, `sampling`, is checkpointed with the read position). Besides samples, the newest step line of what was read goes out as a *tip*
 (``fields["tip"]``): at `finish()` (the file's last one) and, live, at most every
 `progress_interval` seconds; tips tell how far a rank got, they are not clock samples.
 """
@@ -44,8 +44,8 @@ TRUNCATED_MARKER = b" [denpex: line truncated]"
 TS_LOOKBACK_LINES = 64
 HEAD_BYTES = 64 * 1024  # `[rankN]` tags in a file's first bytes tell whose file it is
 DOMINANT_SHARE = 0.9
-DENSE_BYTES = 1 << 20  # every step line that starts in a file's first MiB is a sample
-STRIDE = 128 * 1024  # beyond it, the first step line of each bucket of this size
+DENSE_SAMPLES = 32  # a file's first step lines are all samples (a short job has few) ...
+STRIDE = 1 << 20  # ... then the first one of each MiB of the file
 
 # How far `_process` may go when a record's end has not arrived: MORE (more bytes will come),
 # IDLE (the file went quiet: close records whose last line was read), FINAL (close everything).
@@ -97,9 +97,9 @@ class LineScanner:
         start_offset: int = 0,
         start_line: int = 1,
         context_lines: int = 100,
-        dense_bytes: int = DENSE_BYTES,
+        dense: int = DENSE_SAMPLES,
         stride: int = STRIDE,
-        sampled_bucket: int = -1,
+        sampling: tuple[int, int] | None = None,
         progress_interval: float = 0.0,
         clock: Callable[[], float] | None = None,
         max_line_bytes: int = 1 << 20,
@@ -107,7 +107,6 @@ class LineScanner:
         self.matcher = matcher
         self.source = source
         self.context_lines = context_lines
-        self.dense_bytes = dense_bytes
         self.stride = stride
         self.max_line_bytes = max_line_bytes
         self.stats = ScanStats()
@@ -126,8 +125,8 @@ class LineScanner:
         self._tag_offsets: list[int] = []
         self._tag_counts: dict[int, int] = {}
         self._dominant: list[int | None] = [None]
-        # the newest bucket (beyond dense_bytes) that gave its sample; checkpointed with the offset
-        self.sampled_bucket = sampled_bucket
+        # sampling state: dense samples still to take, and the newest bucket that gave a sample
+        self.dense_left, self.sampled_bucket = sampling if sampling is not None else (dense, -1)
         self._last_progress_offset = -1
         # live tips: the newest step line, at most every interval, when bytes arrived
         self.progress_interval = progress_interval
@@ -330,15 +329,18 @@ class LineScanner:
             absorbed_until = block_end
             events.append(self._event(buf, hit, rule, fields, block_end, counter))
         if consumed > 0:
-            events.extend(self._sample_progress(buf, consumed, counter))
-            self._advance(buf, consumed)
+            # samples come in buffer order: their own counter then runs forward once, and
+            # `_advance` takes the line count from where it stopped
+            ahead = _LineCounter(buf, self._line_no)
+            events.extend(self._sample_progress(buf, consumed, ahead))
+            self._advance(buf, consumed, ahead)
             if self._clock is not None:
                 events.extend(self.due_progress())
         self.stats.events += sum(1 for e in events if e.kind == "match")
         return events, consumed
 
-    def _advance(self, buf: bytes, consumed: int) -> None:
-        n = buf.count(b"\n", 0, consumed)
+    def _advance(self, buf: bytes, consumed: int, counter: _LineCounter | None = None) -> None:
+        n = buf.count(b"\n", 0, consumed) if counter is None else counter.line_at(consumed) - self._line_no
         self.stats.lines += n
         self._line_no += n
         if consumed >= TAIL_BYTES:
@@ -584,35 +586,57 @@ class LineScanner:
 
     # -- progress -----------------------------------------------------------------------------
 
+    @property
+    def sampling(self) -> tuple[int, int]:
+        """The sampling state at `offset`: what a scanner resumed there needs to go on alike."""
+        return self.dense_left, self.sampled_bucket
+
     def _sample_progress(self, buf: bytes, consumed: int, counter: _LineCounter) -> list[Event]:
         """The samples among the step lines that start in ``buf[:consumed]`` (``buf[0]`` is a
-        line start at file offset ``self._base``): every one below ``dense_bytes``, then the
-        first of each ``stride`` bucket. Decided by file offsets alone, so any cut of the same
-        bytes into reads samples the same lines."""
-        base, dense, stride = self._base, self.dense_bytes, self.stride
+        line start at file offset ``self._base``): the first ones while dense samples are left,
+        then the first of each ``stride`` bucket not sampled yet. Decided by the bytes alone, so
+        any cut of the same bytes into reads samples the same lines."""
+        base, stride = self._base, self.stride
         hits: list[Hit] = []
-        if base < dense:
-            stop = _line_end_after(buf, dense - base - 1, consumed)
-            hits.extend(self.matcher.progress(buf, 0, stop, first_only=False))
-        pos = max(base, dense)
-        end = base + consumed
-        while pos < end:
-            bucket = (pos - dense) // stride
-            bucket_end = dense + (bucket + 1) * stride
-            if bucket > self.sampled_bucket:
-                local = pos - base
-                if local > 0:  # the first line that starts at or after pos
-                    local = buf.find(b"\n", local - 1, consumed) + 1
-                    if local == 0:
-                        break
-                stop = _line_end_after(buf, bucket_end - base - 1, consumed)
-                if local < stop:
-                    got = self.matcher.progress(buf, local, stop, first_only=True)
-                    if got:
-                        hits.append(got[0])
-                        self.sampled_bucket = bucket
-            pos = bucket_end
+        local = 0
+        if self.dense_left > 0:
+            hits = self.matcher.progress(buf, 0, consumed, limit=self.dense_left)
+            self.dense_left -= len(hits)
+            if hits:
+                self.sampled_bucket = max(self.sampled_bucket, (base + hits[-1].start) // stride)
+                local = hits[-1].end + 1
+            if self.dense_left > 0:
+                return [self._progress_event(buf, h, counter) for h in hits]
+        while local < consumed:
+            bucket = (base + local) // stride
+            if bucket <= self.sampled_bucket:  # sampled: on to the first line of the next bucket
+                nxt = (self.sampled_bucket + 1) * stride - base
+                if nxt >= consumed:
+                    break
+                local = buf.find(b"\n", nxt - 1, consumed) + 1
+                if local == 0:
+                    break
+                continue
+            stop = _line_end_after(buf, (bucket + 1) * stride - base - 1, consumed)
+            got = self._first_progress(buf, local, stop)
+            if got is not None:
+                hits.append(got)
+                self.sampled_bucket = bucket
+                local = got.end + 1  # on to the next bucket (skipped above)
+            else:
+                local = stop
         return [self._progress_event(buf, h, counter) for h in hits]
+
+    def _first_progress(self, buf: bytes, start: int, stop: int) -> Hit | None:
+        """The first step line in ``buf[start:stop]``, looked for in a window that widens (a
+        step line is usually near: no need to scan, nor copy, the whole bucket)."""
+        window = 4096
+        while True:
+            end = stop if start + window >= stop else _line_end_after(buf, start + window, stop)
+            got = self.matcher.progress(buf, start, end, limit=1)
+            if got or end >= stop:
+                return got[0] if got else None
+            window *= 16
 
     def _final_progress(self) -> list[Event]:
         events = self._newest_progress()

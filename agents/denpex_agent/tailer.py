@@ -49,7 +49,7 @@ class Mark:
     path: str
     offset: int
     line_no: int
-    sampled_bucket: int = -1  # the scanner's sampling state at offset (see LineScanner)
+    sampling: tuple[int, int] | None = None  # the scanner's sampling state at offset (LineScanner)
 
 
 @dataclass(slots=True)
@@ -184,19 +184,20 @@ class Tailer:
         def read_head(n: int) -> bytes:
             return os.pread(fh.fileno(), n, 0)
 
-        start, line_no, identity, bucket = 0, 1, None, -1
+        start, line_no, identity = 0, 1, None
+        sampling: tuple[int, int] | None = None
         for ident in list(self.checkpoints.positions):
             if identity_matches(ident, st.st_dev, st.st_ino, read_head):
                 pos = self.checkpoints.positions[ident]
                 if pos.offset <= st.st_size:
-                    start, line_no, identity, bucket = pos.offset, pos.line_no, ident, pos.sampled_bucket
+                    start, line_no, identity, sampling = pos.offset, pos.line_no, ident, pos.sampling
                 break
         head = read_head(HEAD_BYTES)
         known_head: bytes | None = None
         if identity is None:
             identity = file_identity(st.st_dev, st.st_ino, head)
             known_head = head
-        scanner, sample = self._scanner(path, pattern, identity, start, line_no, bucket)
+        scanner, sample = self._scanner(path, pattern, identity, start, line_no, sampling)
         if start > 0:
             before = os.pread(fh.fileno(), min(start, TAIL_BYTES), start - min(start, TAIL_BYTES))
             scanner.prime(before, sample)
@@ -228,7 +229,13 @@ class Tailer:
         return Attribution(node=self.node, rank=who.rank, local_rank=who.local_rank)
 
     def _scanner(
-        self, path: str, pattern: str, identity: str, start: int, line_no: int, bucket: int
+        self,
+        path: str,
+        pattern: str,
+        identity: str,
+        start: int,
+        line_no: int,
+        sampling: tuple[int, int] | None,
     ) -> tuple[LineScanner, bytes]:
         """The file's scanner, and its first bytes before ``start`` (to prime a resumed one)."""
         sample = b""
@@ -247,17 +254,17 @@ class Tailer:
             default_year=time.gmtime(self.clock()).tm_year,
             ref_epoch=self.clock(),
         )
-        return self._line_scanner(source, start, line_no, bucket), sample
+        return self._line_scanner(source, start, line_no, sampling), sample
 
     def _line_scanner(
-        self, source: Source, start: int = 0, line_no: int = 1, bucket: int = -1
+        self, source: Source, start: int = 0, line_no: int = 1, sampling: tuple[int, int] | None = None
     ) -> LineScanner:
         return LineScanner(
             self.matcher,
             source,
             start_offset=start,
             start_line=line_no,
-            sampled_bucket=bucket,
+            sampling=sampling,
             context_lines=self.context_lines,
             progress_interval=self.progress_interval,
             clock=self.clock,
@@ -336,7 +343,7 @@ class Tailer:
     @staticmethod
     def _mark(f: Followed) -> Mark:
         sc = f.scanner
-        return Mark(f.identity, f.path, sc.offset, sc.line_no, sc.sampled_bucket)
+        return Mark(f.identity, f.path, sc.offset, sc.line_no, sc.sampling)
 
     def _truncated(self, f: Followed, st: os.stat_result) -> bool:
         """Shrunk below the read position, or (copytruncate followed by fast regrowth, even to
@@ -373,7 +380,7 @@ class Tailer:
 
     def _close(self, f: Followed, events: list[Event], marks: list[Mark]) -> None:
         events.extend(f.scanner.finish())
-        marks.append(Mark(f.identity, f.path, f.pos, f.scanner.line_no, f.scanner.sampled_bucket))
+        marks.append(Mark(f.identity, f.path, f.pos, f.scanner.line_no, f.scanner.sampling))
         f.fh.close()
         self.files.remove(f)
         self.stats.files_closed += 1

@@ -311,10 +311,21 @@ def fields(doc: dict[str, Any] | None) -> dict[str, Any]:
     }
 
 
+def _clock_samples(doc: dict[str, Any], nodes: Iterable[str]) -> dict[str, Any]:
+    clock = doc.get("clock") or {}
+    return {n: (clock.get(n) or {}).get("samples") for n in nodes}
+
+
 def differences(live: dict[str, Any], want: dict[str, Any]) -> list[tuple[str, Any, Any]]:
-    """(field, live value, diagnose value) for every field that differs."""
+    """(field, live value, diagnose value) for every field that differs; and the clock estimator
+    must rest on as many step samples live as post-mortem, for every node whose offset diagnose
+    takes from progress (catch-up, cuts and restarts included)."""
     got, exp = fields(live), fields(want)
-    return [(k, got.get(k), exp[k]) for k in exp if got.get(k) != exp[k]]
+    out = [(k, got.get(k), exp[k]) for k in exp if got.get(k) != exp[k]]
+    nodes = [n for n, c in (want.get("clock") or {}).items() if c.get("method") in ("reference", "progress")]
+    if _clock_samples(live, nodes) != _clock_samples(want, nodes):
+        out.append(("clock.samples", _clock_samples(live, nodes), _clock_samples(want, nodes)))
+    return out
 
 
 async def diagnose_json(src: Path) -> dict[str, Any]:

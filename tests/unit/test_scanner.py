@@ -125,20 +125,22 @@ def _step_lines(n: int, pad: int = 0) -> bytes:
     ).encode()
 
 
-def test_progress_samples_every_dense_line_then_one_per_bucket(unit_matcher: Matcher) -> None:
+def test_progress_samples_the_first_lines_then_one_per_bucket(unit_matcher: Matcher) -> None:
     data = _step_lines(200)
-    every = [e for e in _scan(unit_matcher, data) if e.kind == "progress" and not e.fields.get("tip")]
+    every = [
+        e for e in _scan(unit_matcher, data, dense=1000) if e.kind == "progress" and not e.fields.get("tip")
+    ]
     assert [e.fields["step"] for e in every] == list(range(200))
-    sampled = [e for e in _scan(unit_matcher, data, dense_bytes=1024, stride=2048) if e.kind == "progress"]
+    sampled = [e for e in _scan(unit_matcher, data, dense=10, stride=2048) if e.kind == "progress"]
     samples = [e for e in sampled if not e.fields.get("tip")]
     line_starts = [0]
     for line in data.splitlines(keepends=True)[:-1]:
         line_starts.append(line_starts[-1] + len(line))
-    want = [o for o in line_starts if o < 1024]  # every line that starts in the dense part ...
-    seen: set[int] = set()
-    for o in line_starts:  # ... then the first line that starts in each bucket
-        if o >= 1024 and (o - 1024) // 2048 not in seen:
-            seen.add((o - 1024) // 2048)
+    want = line_starts[:10]  # the first ten step lines ...
+    seen = {want[-1] // 2048}
+    for o in line_starts[10:]:  # ... then the first line that starts in each bucket not sampled yet
+        if o // 2048 not in seen:
+            seen.add(o // 2048)
             want.append(o)
     assert [e.offset for e in samples] == want
     tip = sampled[-1]
@@ -149,7 +151,7 @@ def test_progress_samples_every_dense_line_then_one_per_bucket(unit_matcher: Mat
 @given(st.lists(st.integers(min_value=1, max_value=3000), min_size=1, max_size=12))
 def test_samples_do_not_depend_on_read_sizes(unit_matcher: Matcher, sizes: list[int]) -> None:
     data = _step_lines(400, pad=7)
-    kw = {"dense_bytes": 3000, "stride": 1500}
+    kw = {"dense": 25, "stride": 1500}
 
     def samples(got: list[Event]) -> list[tuple[object, ...]]:
         return [_key(e) for e in got if e.kind == "progress" and not e.fields.get("tip")]
@@ -159,16 +161,16 @@ def test_samples_do_not_depend_on_read_sizes(unit_matcher: Matcher, sizes: list[
 
 def test_a_resumed_scanner_samples_what_an_uninterrupted_one_does(unit_matcher: Matcher) -> None:
     data = _step_lines(400, pad=3)
-    kw = {"dense_bytes": 2000, "stride": 1700}
+    kw = {"dense": 20, "stride": 1700}
     whole = [
         e.offset for e in _scan(unit_matcher, data, **kw) if e.kind == "progress" and not e.fields.get("tip")
     ]
-    for cut_line in (17, 60, 133, 301):
+    for cut_line in (5, 17, 60, 133, 301):
         cut = sum(len(line) for line in data.splitlines(keepends=True)[:cut_line])
         first = LineScanner(unit_matcher, _source(), **kw)
         got = [e for e in first.feed(data[:cut]) if e.kind == "progress"]
         resumed = LineScanner(
-            unit_matcher, _source(), start_offset=first.offset, sampled_bucket=first.sampled_bucket, **kw
+            unit_matcher, _source(), start_offset=first.offset, sampling=first.sampling, **kw
         )
         got += resumed.feed(data[first.offset :]) + resumed.finish()
         assert sorted({e.offset for e in got if not e.fields.get("tip")}) == whole, cut_line
