@@ -25,7 +25,7 @@ import math
 import statistics
 from array import array
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from denpex_agent.events import Event
@@ -170,6 +170,17 @@ class RankTrack:
     last_step_ts: float | None = None
     last_progress: Event | None = None
     data_times: StepSamples | None = None
+    # how many of this rank's events came from each file and under each local rank: the votes
+    # that give an event naming no global rank its rank (see Engine.resolve_rank)
+    files: dict[str, int] = field(default_factory=dict)
+    locals: dict[int, int] = field(default_factory=dict)
+
+    def vote(self, ev: Event) -> None:
+        files = self.files
+        files[ev.file] = files.get(ev.file, 0) + 1
+        local = ev.local_rank
+        if local is not None:
+            self.locals[local] = self.locals.get(local, 0) + 1
 
     @property
     def samples(self) -> list[tuple[int, float]]:
@@ -177,10 +188,22 @@ class RankTrack:
         return self.progress.curve()
 
     def add(self, step: int, ts: float | None, ev: Event) -> None:
-        last = self.last_progress
-        if last is None or _progress_order(step, ev) > _progress_order(self.last_step or 0, last):
+        last_step = self.last_step
+        if (
+            last_step is None
+            or step > last_step
+            or (
+                step == last_step
+                and self.last_progress is not None
+                and _progress_order(step, ev) > _progress_order(step, self.last_progress)
+            )
+        ):
             self.last_step, self.last_step_ts, self.last_progress = step, ts, ev
-        if ts is None or ev.fields.get("tip"):
+        if ev.fields.get("tip"):
+            return
+        if self.rank is not None:
+            self.vote(ev)
+        if ts is None:
             return
         self.progress.add(step, ts)
         dt = ev.fields.get("data_time")
@@ -194,6 +217,7 @@ class RankTrack:
             self.node, self.rank, self.progress, self.last_step, self.last_step_ts, self.last_progress
         )
         dup.merge(self)
+        dup.files, dup.locals = self.files, self.locals  # read-only from here on
         return dup
 
     def merge(self, other: RankTrack) -> None:
@@ -225,29 +249,19 @@ class Candidate:
     kind: str  # event | hang | killed
 
 
-class _Votes:
-    """Counts of the ranks named for one key (a node's local rank, a file)."""
+def _most_named(counts: dict[int, int]) -> int | None:
+    """The rank named most often (the lowest of equals), or None when none is."""
+    if not counts:
+        return None
+    return min(counts, key=lambda r: (-counts[r], r))
 
-    __slots__ = ("counts",)
 
-    def __init__(self) -> None:
-        self.counts: dict[int, int] = {}
-
-    def add(self, rank: int) -> None:
-        self.counts[rank] = self.counts.get(rank, 0) + 1
-
-    def unique(self) -> int | None:
-        """The one rank named, if only one is (the most named, lowest first, when several are)."""
-        if not self.counts:
-            return None
-        return min(self.counts, key=lambda r: (-self.counts[r], r))
-
-    def dominant(self) -> int | None:
-        if not self.counts:
-            return None
-        rank = self.unique()
-        assert rank is not None
-        return rank if self.counts[rank] >= DOMINANT_SHARE * sum(self.counts.values()) else None
+def _dominant(counts: dict[int, int]) -> int | None:
+    """The rank that at least DOMINANT_SHARE of the votes name, if any."""
+    rank = _most_named(counts)
+    if rank is None:
+        return None
+    return rank if counts[rank] >= DOMINANT_SHARE * sum(counts.values()) else None
 
 
 class Engine:
@@ -271,8 +285,6 @@ class Engine:
         self.tracks: dict[tuple[str, int | None], RankTrack] = {}
         self.unranked_tracks: dict[tuple[str, str, int | None], RankTrack] = {}
         self.progress: dict[str, NodeProgress] = {}  # node -> its ranks' pooled progress samples
-        self.local_votes: dict[tuple[str, int], _Votes] = {}  # (node, local rank) -> global ranks
-        self.file_votes: dict[tuple[str, str], _Votes] = {}  # (node, file) -> ranks its events name
         self.agent_offsets: dict[str, tuple[float, float]] = {}
         self.events_seen = 0
         self.rank_events: dict[tuple[str, int | None], int] = {}  # rule events per (node, rank)
@@ -300,7 +312,6 @@ class Engine:
             return
         if ev.rule is None:
             return
-        self._vote(ev)
         if ev.rank is None:
             ukey = (ev.node, ev.file, ev.local_rank, ev.rule)
             uagg = self.unranked.get(ukey)
@@ -310,7 +321,7 @@ class Engine:
             else:
                 uagg.add(ev)
             return
-        self._track(ev.node, ev.rank)
+        self._track(ev.node, ev.rank).vote(ev)
         key = (ev.node, ev.rank, ev.rule)
         nr = (ev.node, ev.rank)
         self.rank_events[nr] = self.rank_events.get(nr, 0) + 1
@@ -327,19 +338,6 @@ class Engine:
         if SEVERITIES.index(ev.severity or "info") >= ERROR:
             self.failing_aggs += 1
 
-    def _vote(self, ev: Event) -> None:
-        if ev.rank is None or ev.fields.get("tip"):
-            return
-        if ev.local_rank is not None:
-            lv = self.local_votes.get((ev.node, ev.local_rank))
-            if lv is None:
-                lv = self.local_votes[(ev.node, ev.local_rank)] = _Votes()
-            lv.add(ev.rank)
-        fv = self.file_votes.get((ev.node, ev.file))
-        if fv is None:
-            fv = self.file_votes[(ev.node, ev.file)] = _Votes()
-        fv.add(ev.rank)
-
     def add_progress(self, ev: Event) -> None:
         """`add(ev)` for an event known to be of kind "progress" (the bulk of live traffic)."""
         self.events_seen += 1
@@ -352,7 +350,6 @@ class Engine:
             if track is None:
                 track = self.unranked_tracks[ukey] = RankTrack(ev.node, None, self._node(ev.node))
         else:
-            self._vote(ev)
             track = self.tracks.get((ev.node, ev.rank))
             if track is None:
                 track = self._track(ev.node, ev.rank)
@@ -375,11 +372,25 @@ class Engine:
     def resolve_rank(self, node: str, file: str, local_rank: int | None) -> int | None:
         """The global rank of an event that named none (see the module's docstring)."""
         if local_rank is not None:
-            lv = self.local_votes.get((node, local_rank))
-            if lv is not None:
-                return lv.unique()
-        fv = self.file_votes.get((node, file))
-        return fv.dominant() if fv is not None else None
+            rank = self._by_local(node, local_rank, self.tracks)
+            if rank is not None:
+                return rank
+        by_file = {
+            r: t.files[file]
+            for (n, r), t in self.tracks.items()
+            if n == node and r is not None and file in t.files
+        }
+        return _dominant(by_file)
+
+    @staticmethod
+    def _by_local(node: str, local_rank: int, tracks: dict[tuple[str, int | None], RankTrack]) -> int | None:
+        """The global rank the node's events name most often under this local rank."""
+        counts = {
+            r: t.locals[local_rank]
+            for (n, r), t in tracks.items()
+            if n == node and r is not None and local_rank in t.locals
+        }
+        return _most_named(counts)
 
     def _resolved(
         self,
@@ -432,9 +443,9 @@ class Engine:
     def _global_rank(
         self, node: str, local_rank: int, tracks: dict[tuple[str, int | None], RankTrack]
     ) -> int | None:
-        lv = self.local_votes.get((node, local_rank))
-        if lv is not None:
-            return lv.unique()
+        rank = self._by_local(node, local_rank, tracks)
+        if rank is not None:
+            return rank
         ranks = sorted(r for (n, r) in tracks if n == node and r is not None)
         if local_rank < len(ranks):
             return ranks[local_rank]
