@@ -114,6 +114,7 @@ class AgentMark:
     arrived: float  # monotonic
     behind: int
     sent_at: float  # when the agent sent it (its clock: after the read it carries)
+    read: float  # monotonic arrival of its latest batch with more than heartbeats (new lines read)
 
 
 class JobTable:
@@ -229,12 +230,15 @@ class JobTable:
             await self._changed(state, failing, candidates)
 
     def _mark(self, state: JobState, batch: wire.Batch) -> None:
+        now = self._mono()
         mark = state.marks.get(batch.agent)
         if mark is None:
-            state.marks[batch.agent] = AgentMark(batch.node, self._mono(), batch.behind, batch.sent_at)
+            mark = state.marks[batch.agent] = AgentMark(batch.node, now, batch.behind, batch.sent_at, -1e18)
         else:
-            mark.node, mark.arrived, mark.behind = batch.node, self._mono(), batch.behind
+            mark.node, mark.arrived, mark.behind = batch.node, now, batch.behind
             mark.sent_at = max(mark.sent_at, batch.sent_at)
+        if any(ev.kind != "heartbeat" for ev in batch.events):
+            mark.read = now
 
     def alert_wait(self, job: str, doc: dict[str, Any], failing_since: float) -> float:
         """How long a new incident's first alert should still wait for evidence that may move its
@@ -282,8 +286,8 @@ class JobTable:
         if catchup_left > 0 and self._historical(ini, doc):
             # the failure is old news: the agents are reading history (started after the job
             # failed, or catching up after an outage), agents may still be starting and may hold
-            # anything: wait until the job's batches have paused for HISTORICAL_QUIET_S
-            last = max((m.arrived for m in state.marks.values()), default=now)
+            # anything: wait until the agents have read nothing new for HISTORICAL_QUIET_S
+            last = max((m.read for m in state.marks.values()), default=now)
             quiet_left = last + HISTORICAL_QUIET_S - now
             if quiet_left > 0:
                 wait = max(wait, min(catchup_left, quiet_left))

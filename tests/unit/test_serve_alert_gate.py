@@ -231,3 +231,29 @@ async def test_an_agent_that_died_is_waited_for_a_little(tmp_path: Path, library
     rec = await _scenario(tmp_path, library, script, node2_lost=True, alert_settle_s=0.3)
     firing = [a for _, a in rec.sent if "endsAt" not in a]
     assert [a["labels"]["rank"] for a in firing] == ["3"], rec.sent
+
+
+@pytest.mark.asyncio
+async def test_heartbeats_do_not_keep_old_news_waiting(tmp_path: Path, library: RuleSet) -> None:
+    """Agents idle after reading history still send heartbeats: they read nothing new, so the
+    alert does not wait for them beyond the pause."""
+    old = time.time() - 3600 - T0
+    started = time.monotonic()
+
+    def beat(node: str) -> Event:
+        return Event(
+            id=f"hb-{node}-{time.monotonic()}", kind="heartbeat", job="job-1", node=node, rank=None,
+            local_rank=None, file=f"/logs/{node}/rank0.log", offset=0, line_no=1, ts=None, ts_source="none",
+        )  # fmt: skip
+
+    async def script(send: Any) -> None:
+        await send("node1", [_ev(library, "node1", 0, "cuda-oom", T0 + old + 6.0, 100)])
+        for _ in range(12):
+            await asyncio.sleep(0.3)
+            await send("node1", [beat("node1")])
+            await send("node2", [beat("node2")])
+
+    rec = await _scenario(tmp_path, library, script, shift=old, alert_settle_s=0.3)
+    (at, alert), *_ = rec.sent
+    assert alert["labels"]["rank"] == "0"
+    assert at - started < 2.0 + 1.0
