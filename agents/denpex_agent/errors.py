@@ -2,6 +2,27 @@
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+
+def divert_loop_errors(loop: asyncio.AbstractEventLoop, divert: Callable[[dict[str, Any]], bool]) -> None:
+    """Give ``divert`` the first look at what asyncio would report as an unhandled error (a
+    dependency's stray task or future): it handles what it knows and returns True; anything
+    else goes on to the handler that was there before (asyncio's own by default)."""
+    previous = loop.get_exception_handler()
+
+    def handler(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        if divert(context):
+            return
+        if previous is not None:
+            previous(loop, context)
+        else:
+            loop.default_exception_handler(context)
+
+    loop.set_exception_handler(handler)
+
 
 class DenpexAgentError(Exception):
     """Root of every error this package raises on purpose."""

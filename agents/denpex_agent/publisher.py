@@ -28,7 +28,7 @@ from paho.mqtt.reasoncodes import ReasonCode
 
 from denpex_agent import wire
 from denpex_agent.config import AgentConfig
-from denpex_agent.errors import DenpexAgentError
+from denpex_agent.errors import DenpexAgentError, divert_loop_errors
 
 log = logging.getLogger(__name__)
 
@@ -129,23 +129,17 @@ class Publisher:
         return self.cfg.mqtt_version == "auto" and not self._settled
 
     async def __aenter__(self) -> Publisher:
-        loop = asyncio.get_running_loop()
-        _default = loop.get_exception_handler()
-
-        def stray(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        def stray(context: dict[str, Any]) -> bool:
             # A connection attempt that timed out can still be ended by the broker afterwards:
             # aiomqtt then stores that disconnection in a future of the abandoned client, which
             # nobody awaits any more. The loss was handled (and logged) when the attempt failed.
             exc = context.get("exception")
             if isinstance(exc, aiomqtt.MqttError) and "never retrieved" in str(context.get("message")):
                 log.debug("an abandoned connection attempt ended error=%s", exc)
-                return
-            if _default is not None:
-                _default(loop, context)
-            else:
-                loop.default_exception_handler(context)
+                return True
+            return False
 
-        loop.set_exception_handler(stray)
+        divert_loop_errors(asyncio.get_running_loop(), stray)
         self._task = asyncio.create_task(self._supervise(), name="mqtt-connection")
         return self
 

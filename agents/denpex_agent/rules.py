@@ -276,12 +276,7 @@ def _load_file(path: Path) -> tuple[list[Rule], list[Explanation]]:
 def _build_explanation(src: str, raw: Any, default_category: Any) -> Explanation:
     if not isinstance(raw, dict):
         raise RuleError(src, None, "a [[diagnosis]] entry must be a table")
-    rid = raw.get("id")
-    if not isinstance(rid, str) or not _ID_RE.match(rid):
-        raise RuleError(src, str(rid), "id must be 2-64 chars of [a-z0-9-], starting alphanumeric")
-    unknown = set(raw) - _DIAGNOSIS_KEYS
-    if unknown:
-        raise RuleError(src, rid, f"unknown key(s) in a [[diagnosis]]: {', '.join(sorted(unknown))}")
+    rid = _checked_id(src, raw, _DIAGNOSIS_KEYS)
     texts: dict[str, str] = {}
     for key in ("title", "root_cause", "fix", "verify"):
         value = raw.get(key)
@@ -297,13 +292,19 @@ def _build_explanation(src: str, raw: Any, default_category: Any) -> Explanation
     return Explanation(id=rid, category=str(category), references=tuple(refs), source=src, **texts)
 
 
-def _build_rule(src: str, raw: Mapping[str, Any], default_category: Any) -> Rule:
+def _checked_id(src: str, raw: Mapping[str, Any], allowed: frozenset[str]) -> str:
+    """The table's id, once it and the table's keys are valid."""
     rid = raw.get("id")
     if not isinstance(rid, str) or not _ID_RE.match(rid):
         raise RuleError(src, str(rid), "id must be 2-64 chars of [a-z0-9-], starting alphanumeric")
-    unknown = set(raw) - _RULE_KEYS
+    unknown = set(raw) - allowed
     if unknown:
         raise RuleError(src, rid, f"unknown key(s): {', '.join(sorted(unknown))}")
+    return rid
+
+
+def _build_rule(src: str, raw: Mapping[str, Any], default_category: Any) -> Rule:
+    rid = _checked_id(src, raw, _RULE_KEYS)
 
     def text(key: str, required: bool = True) -> str:
         value = raw.get(key, "")

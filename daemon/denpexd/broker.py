@@ -17,6 +17,7 @@ from typing import Any, Self
 
 from amqtt.broker import Broker
 
+from denpex_agent.errors import divert_loop_errors
 from denpexd.config import split_listen
 from denpexd.errors import BrokerError
 
@@ -84,27 +85,22 @@ class EmbeddedBroker:
         client, and another client's subscribe in between ends that with RuntimeError), asyncio
         reports it as an unhandled error. Only that client's connection is lost and it connects
         again; say so plainly and count it (denpex_broker_client_failures_total)."""
-        loop = asyncio.get_running_loop()
-        previous = loop.get_exception_handler()
 
-        def handler(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        def client_failure(context: dict[str, Any]) -> bool:
             exc = context.get("exception")
-            if exc is not None and _raised_in_amqtt(exc):
-                if self._on_client_failure is not None:
-                    self._on_client_failure()
-                log.warning(
-                    "embedded broker: a client's connection failed inside the broker; the client "
-                    "connects again error=%s: %s",
-                    type(exc).__name__,
-                    exc,
-                )
-                return
-            if previous is not None:
-                previous(loop, context)
-            else:
-                loop.default_exception_handler(context)
+            if exc is None or not _raised_in_amqtt(exc):
+                return False
+            if self._on_client_failure is not None:
+                self._on_client_failure()
+            log.warning(
+                "embedded broker: a client's connection failed inside the broker; the client "
+                "connects again error=%s: %s",
+                type(exc).__name__,
+                exc,
+            )
+            return True
 
-        loop.set_exception_handler(handler)
+        divert_loop_errors(asyncio.get_running_loop(), client_failure)
 
     async def __aexit__(
         self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
