@@ -32,6 +32,26 @@ class Position:
     sampling: tuple[int, int] | None = None  # the scanner's progress-sampling state at offset
 
 
+def _position(p: object) -> Position | None:
+    """A stored position, or None when it cannot be one."""
+    if not isinstance(p, dict):
+        return None
+    try:
+        sampling = p.get("sampling")
+        pos = Position(
+            str(p["path"]),
+            int(p["offset"]),
+            int(p["line_no"]),
+            float(p["updated"]),
+            (int(sampling[0]), int(sampling[1])) if sampling is not None else None,
+        )
+    except (KeyError, TypeError, ValueError, IndexError):
+        return None
+    if pos.offset < 0 or pos.line_no < 1 or (pos.sampling is not None and min(pos.sampling) < -1):
+        return None
+    return pos
+
+
 class Checkpoints:
     """The positions of one agent, persisted in ``state_dir``."""
 
@@ -56,17 +76,19 @@ class Checkpoints:
                 raise ValueError(f"version {doc.get('version')!r}")
             if doc.get("agent") not in (None, self.agent):
                 warnings.append(f"{self.path}: written by agent {doc.get('agent')!r}; positions reused")
-            for ident, p in doc["files"].items():
-                sampling = p.get("sampling")
-                pos = Position(
-                    str(p["path"]),
-                    int(p["offset"]),
-                    int(p["line_no"]),
-                    float(p["updated"]),
-                    (int(sampling[0]), int(sampling[1])) if sampling is not None else None,
-                )
-                if pos.offset < 0 or pos.line_no < 1 or (pos.sampling is not None and min(pos.sampling) < -1):
-                    raise ValueError(f"position {ident}: offset {pos.offset}, line {pos.line_no}")
+            files = doc["files"]
+            if not isinstance(files, dict):
+                raise TypeError("files is not an object")
+            for ident, p in files.items():
+                pos = _position(p)
+                if pos is None:
+                    # one impossible position (a negative offset, say): that file is read again
+                    # from its start (what was sent before has the same ids: dropped as duplicates)
+                    warnings.append(
+                        f"{self.path}: impossible position for {str(p.get('path') if isinstance(p, dict) else '?')!r} "
+                        f"({str(p)[:120]}); that file is read again from its start"
+                    )
+                    continue
                 self.positions[ident] = pos
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             aside = self.path.with_suffix(f".corrupt-{int(time.time())}")

@@ -145,24 +145,35 @@ class Rule:
         return SEVERITIES.index(self.severity)
 
 
+MAX_INT_FIELD = 1 << 53
+MAX_FLOAT_FIELD = 1e300
+MAX_TEXT_FIELD = 1024
+
+
 def convert_fields(raw: Mapping[str, str | None]) -> dict[str, int | float | str]:
-    """Turn regex group strings into typed fields; unparsable numbers are left out."""
+    """Turn regex group strings into typed fields; numbers that do not parse or are beyond any
+    real value (the receiver's bounds) are left out, text is cut to its bound."""
     out: dict[str, int | float | str] = {}
     for name, value in raw.items():
         if value is None:
             continue
         if name in INT_FIELDS:
             try:
-                out[name] = int(value)
+                n = int(value)
             except ValueError:
                 continue
+            if -MAX_INT_FIELD <= n <= MAX_INT_FIELD:
+                out[name] = n
         elif name in FLOAT_FIELDS:
             try:
-                out[name] = float(value)
+                x = float(value)
             except ValueError:
                 continue
+            if not -MAX_FLOAT_FIELD <= x <= MAX_FLOAT_FIELD and x == x:  # NaN stays (a NaN loss is news)
+                continue
+            out[name] = x
         else:
-            out[name] = value
+            out[name] = value[:MAX_TEXT_FIELD]
     return out
 
 

@@ -191,6 +191,13 @@ class Tailer:
                 pos = self.checkpoints.positions[ident]
                 if pos.offset <= st.st_size:
                     start, line_no, identity, sampling = pos.offset, pos.line_no, ident, pos.sampling
+                else:
+                    self._warn(
+                        path,
+                        "checkpoint-past-end",
+                        f"checkpoint offset {pos.offset} is past the file's end ({st.st_size} bytes); "
+                        "read again from its start",
+                    )
                 break
         head = read_head(HEAD_BYTES)
         known_head: bytes | None = None

@@ -51,8 +51,19 @@ def _tz(text: str | None) -> timezone:
     return timezone(sign * timedelta(hours=int(digits[:2]), minutes=int(digits[2:4])))
 
 
+# Times outside these are not taken for timestamps (a clock reset to 1970, a garbled year): the
+# line gets an inherited or no time instead, and the receiver refuses such a time on the wire.
+SANE_MIN = 946_684_800.0  # 2000-01-01T00:00:00Z
+SANE_MAX = 4_102_444_800.0  # 2100-01-01T00:00:00Z
+
+
 def parse_timestamp(line: str, default_year: int, ref_epoch: float | None = None) -> float | None:
-    """Epoch seconds of the first timestamp near the start of ``line``, or None."""
+    """Epoch seconds of the first timestamp near the start of ``line`` (within 2000-2100), or None."""
+    ts = _parse(line, default_year, ref_epoch)
+    return ts if ts is not None and SANE_MIN <= ts < SANE_MAX else None
+
+
+def _parse(line: str, default_year: int, ref_epoch: float | None) -> float | None:
     m = _TS_RE.search(line, 0, HEAD_CHARS)
     if m is None:
         return None

@@ -18,6 +18,7 @@ import orjson
 from denpex_agent.errors import DenpexAgentError
 from denpex_agent.events import KINDS, TS_SOURCES, Event
 from denpex_agent.rules import CATEGORIES, PROGRESS_CATEGORY, ROLES, SEVERITIES
+from denpex_agent.timestamps import SANE_MAX, SANE_MIN
 
 VERSION = 1
 PREFIX = "denpex/v1"
@@ -28,15 +29,25 @@ MAX_TEXT = 64 * 1024
 MAX_CONTEXT_LINES = 200
 MAX_FIELDS = 32
 MAX_BEHIND = 1 << 53  # bytes; any larger value is not a real backlog
+# Bounds at the edge: what no real agent sends, refused before it reaches an engine
+TS_MIN, TS_MAX = SANE_MIN, SANE_MAX  # an event's timestamp: 2000-01-01 to 2100-01-01 (UTC)
+MAX_COUNTER = 1 << 62  # offsets, line numbers, sequence numbers
+MAX_FIELD_INT = 1 << 53  # an integer field (a step, a rank, a signal)
+MAX_FIELD_FLOAT = 1e300  # a float field's magnitude (a loss may be huge, never infinite)
+MAX_FIELD_TEXT = 1024
+MAX_CLOCK_OFFSET_S = 86_400.0  # an agent's clock offset and its uncertainty: at most a day
+_CLOCK_FIELDS = ("clock_offset_s", "clock_uncertainty_s")
 
 _ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@=-]{0,127}$")
 
 
 class WireError(DenpexAgentError):
-    """A payload or topic that does not follow the protocol; `reason` says which part."""
+    """A payload or topic that does not follow the protocol; `reason` says which part, `code`
+    (when set) which bound it broke, as a short label for counting."""
 
-    def __init__(self, reason: str) -> None:
+    def __init__(self, reason: str, code: str | None = None) -> None:
         self.reason = reason
+        self.code = code
         super().__init__(reason)
 
 
@@ -200,6 +211,30 @@ def decode_batch(payload: bytes, topic_job: str | None = None) -> Batch:
     )
 
 
+def check_field(key: object, value: object, where: str) -> None:
+    """A field is flat: a short name and a bounded scalar (no nesting); an agent's clock offset
+    and its uncertainty at most a day."""
+    if not isinstance(key, str) or len(key) > 64:
+        raise WireError(f"{where}: a field name must be a string of at most 64 chars", "field")
+    if value is None or isinstance(value, bool):
+        return
+    if isinstance(value, int):
+        if not -MAX_FIELD_INT <= value <= MAX_FIELD_INT:
+            raise WireError(f"{where}: field {key!r} is out of range", "range")
+    elif isinstance(value, float):
+        if not -MAX_FIELD_FLOAT <= value <= MAX_FIELD_FLOAT:  # also false for NaN
+            raise WireError(f"{where}: field {key!r} is out of range", "range")
+        if key in _CLOCK_FIELDS and not -MAX_CLOCK_OFFSET_S <= value <= MAX_CLOCK_OFFSET_S:
+            raise WireError(f"{where}: {key} beyond a day", "range")
+    elif isinstance(value, str):
+        if len(value) > MAX_FIELD_TEXT:
+            raise WireError(f"{where}: field {key!r} longer than {MAX_FIELD_TEXT} chars", "field")
+    else:
+        raise WireError(f"{where}: field {key!r} must be a number, a string, true/false or null", "nesting")
+    if key in _CLOCK_FIELDS and isinstance(value, int) and abs(value) > MAX_CLOCK_OFFSET_S:
+        raise WireError(f"{where}: {key} beyond a day", "range")
+
+
 def _finite(x: object) -> TypeGuard[float]:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
@@ -229,6 +264,8 @@ def _event(job: str, node: str, i: int, e: object) -> Event:
     ts = e.get("ts")
     if ts is not None and not _finite(ts):
         raise WireError(f"{where}: ts must be a finite number or null")
+    if ts is not None and not TS_MIN <= ts < TS_MAX:
+        raise WireError(f"{where}: ts is not a time between 2000 and 2100", "range")
     ts_source = e.get("ts_source", "none")
     if ts_source not in TS_SOURCES:
         raise WireError(f"{where}: ts_source must be one of {TS_SOURCES}")
@@ -253,6 +290,8 @@ def _event(job: str, node: str, i: int, e: object) -> Event:
     fields = e.get("fields", {})
     if not isinstance(fields, dict) or len(fields) > MAX_FIELDS:
         raise WireError(f"{where}: fields must be an object with at most {MAX_FIELDS} keys")
+    for key, value in fields.items():
+        check_field(key, value, where)
     file = e.get("file", "")
     rule = e.get("rule")
     if not isinstance(file, str) or len(file) > 4096:
@@ -261,8 +300,10 @@ def _event(job: str, node: str, i: int, e: object) -> Event:
         raise WireError(f"{where}: rule must be a short string or null")
     offset = e.get("offset")
     line_no = e.get("line_no")
-    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (offset, line_no)):
-        raise WireError(f"{where}: offset and line_no must be non-negative integers")
+    if not all(
+        isinstance(v, int) and not isinstance(v, bool) and 0 <= v < MAX_COUNTER for v in (offset, line_no)
+    ):
+        raise WireError(f"{where}: offset and line_no must be non-negative integers below 2**62")
     assert isinstance(offset, int) and isinstance(line_no, int)
     return Event(
         id=eid,

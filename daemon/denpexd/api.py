@@ -4,11 +4,15 @@ An optional bearer token guards everything but `/-/healthy` and `/-/ready`. Job 
 with the wire protocol's rules before anything looks them up: a hostile id is a 400, an unknown
 one a 404. `/api/v1/jobs/<id>/events?rank=&kind=&limit=` lists a job's events in arrival order,
 optionally of one rank and/or one kind (`match`, `progress`, `heartbeat`); progress events stored
-as one row per batch are expanded.
+as one row per batch are expanded. `/api/v1/dead-letters?limit=` lists the messages whose
+processing raised (kept, acknowledged, newest first). Reads go to the store's reader connection:
+a busy writer does not hold them back.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hmac
 import logging
 from collections.abc import Awaitable, Callable
@@ -27,6 +31,7 @@ from denpexd.jobs import JobTable
 from denpexd.store import Store
 
 log = logging.getLogger(__name__)
+FLUSH_WAIT_S = 1.0  # how long an events request waits for rows still being written
 
 MAX_EVENTS = 10_000
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -72,6 +77,7 @@ class Api:
         app.router.add_get("/api/v1/jobs", self.jobs)
         app.router.add_get("/api/v1/jobs/{job}", self.job)
         app.router.add_get("/api/v1/jobs/{job}/events", self.events)
+        app.router.add_get("/api/v1/dead-letters", self.dead_letters)
         return app
 
     async def __aenter__(self) -> Self:
@@ -153,10 +159,22 @@ class Api:
             limit = max(1, min(int(request.query.get("limit", "100")), MAX_EVENTS))
         except ValueError:
             return _error(400, "rank and limit must be integers")
+        if rank is not None and not -1 <= rank < 1 << 31:
+            return _error(400, "rank must be between -1 and 2147483647")
         kind = request.query.get("kind") or None
         if kind is not None and kind not in KINDS:
             return _error(400, f"kind must be one of {', '.join(KINDS)}")
         if job not in self.table.jobs and not await self.store.job_exists(job):
             return _error(404, f"unknown job {job}")
-        await self.table.writer.flush()
+        # what was received a moment ago is shown too, but a long backlog does not hold the answer
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(FLUSH_WAIT_S):
+                await self.table.writer.flush()
         return _json({"job": job, "events": await self.store.events(job, rank, limit, kind)})
+
+    async def dead_letters(self, request: web.Request) -> web.Response:
+        try:
+            limit = max(1, min(int(request.query.get("limit", "100")), 1000))
+        except ValueError:
+            return _error(400, "limit must be an integer")
+        return _json({"dead_letters": await self.store.dead_letters(limit)})

@@ -124,6 +124,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--api-token", metavar="TOKEN", help="bearer token required by the API (env DENPEX_API_TOKEN)"
     )
     s.add_argument("--log-level", choices=("debug", "info", "warning", "error"), help="default info")
+    s.add_argument(
+        "--set-aside-damaged-store",
+        action="store_true",
+        help="when the store file is empty, truncated or damaged, move it aside (renamed "
+        "*.damaged-<time>, kept for inspection) and start with an empty one; without this flag "
+        "such a store stops serve with a message naming the file",
+    )
 
     q = sub.add_parser("query", help="ask a running `denpexd serve` about a job")
     q.add_argument("--job", metavar="ID", help="print this job's diagnosis (the report `diagnose` prints)")

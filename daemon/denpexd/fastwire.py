@@ -31,6 +31,26 @@ _NKEYS = len(_KEYS)
 _MAX_ID, _MAX_TEXT, _MAX_FIELDS = wire.MAX_ID_LEN, wire.MAX_TEXT, wire.MAX_FIELDS
 _MAX_CONTEXT = wire.MAX_CONTEXT_LINES
 _isfinite = math.isfinite
+_TS_MIN, _TS_MAX, _MAX_COUNTER = wire.TS_MIN, wire.TS_MAX, wire.MAX_COUNTER
+_CLOCK_FIELDS = frozenset(("clock_offset_s", "clock_uncertainty_s"))
+
+
+def _flat_ok(key: Any, value: Any) -> bool:
+    """Whether `wire.check_field` accepts the field (checked the cheap way first)."""
+    t = type(value)
+    if type(key) is not str or len(key) > 64:
+        return False
+    if t is float:
+        if not -wire.MAX_FIELD_FLOAT <= value <= wire.MAX_FIELD_FLOAT:
+            return False
+        return key not in _CLOCK_FIELDS or -wire.MAX_CLOCK_OFFSET_S <= value <= wire.MAX_CLOCK_OFFSET_S
+    if t is int:
+        if not -wire.MAX_FIELD_INT <= value <= wire.MAX_FIELD_INT:
+            return False
+        return key not in _CLOCK_FIELDS or -wire.MAX_CLOCK_OFFSET_S <= value <= wire.MAX_CLOCK_OFFSET_S
+    if t is str:
+        return len(value) <= wire.MAX_FIELD_TEXT
+    return value is None or t is bool
 
 
 def decode_batch(payload: bytes, topic_job: str | None = None) -> wire.Batch:
@@ -107,22 +127,25 @@ def _event(job: str, node: str, e: Any) -> Event:
         or type(file) is not str
         or len(file) > 4096
         or type(offset) is not int
-        or offset < 0
+        or not 0 <= offset < _MAX_COUNTER
         or type(line_no) is not int
-        or line_no < 0
+        or not 0 <= line_no < _MAX_COUNTER
         or type(fields) is not dict
         or len(fields) > _MAX_FIELDS
         or type(context) is not list
     ):
         raise _Reject
     if ts is not None:
-        if type(ts) is float:
-            if not _isfinite(ts):
-                raise _Reject
-        elif type(ts) is int:
+        if type(ts) is int:
             ts = float(ts)
-        else:
+        elif type(ts) is not float:
             raise _Reject
+        if not _TS_MIN <= ts < _TS_MAX:  # also false for NaN
+            raise _Reject
+    if fields:
+        for key, value in fields.items():
+            if not _flat_ok(key, value):
+                raise _Reject
     if severity is not None and (type(severity) is not str or severity not in _SEVERITIES):
         raise _Reject
     if role is not None and (type(role) is not str or role not in _ROLES):

@@ -400,7 +400,7 @@ class Ingest:
                 ack()
                 return None
         except wire.WireError as exc:
-            reason = invalid_reason(exc.reason)
+            reason = invalid_reason(exc.reason, exc.code)
             self.metrics.batches_invalid.labels(reason).inc()
             log.warning(
                 "invalid message dropped reason=%s topic=%r sender=%s bytes=%d error=%s",

@@ -15,6 +15,7 @@ decide and stores it. Jobs idle for `job_idle_close_s` are closed; when
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import time
@@ -32,9 +33,10 @@ from denpex_agent.timestamps import parse_iso
 from denpexd.alerts import Alerter
 from denpexd.config import ServeConfig
 from denpexd.engine import Engine
+from denpexd.errors import StoreError
 from denpexd.ingest import Ack
 from denpexd.metrics import Metrics
-from denpexd.store import EventWriter, Store, event_row, progress_batch_row
+from denpexd.store import EventRow, EventWriter, Store, event_row, progress_batch_row
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +105,7 @@ class JobState:
     labels: dict[str, Any] = field(default_factory=dict)
     suppressed: int = 0
     hoisted: set[str] = field(default_factory=set)  # ids of match events fed ahead of their batch
+    broken: dict[str, Any] | None = None  # the first fault inside this job (stage, error, at)
     marks: dict[str, AgentMark] = field(default_factory=dict)  # agent -> its latest batch's arrival
 
 
@@ -138,7 +141,12 @@ class JobTable:
         self.agents: OrderedDict[str, dict[str, dict[str, Any]]] = OrderedDict()  # job -> agent -> status
         self._online_since: OrderedDict[tuple[str, str], float] = OrderedDict()  # (job, agent) -> monotonic
         self._online = 0
-        self.writer = EventWriter(store, on_wait=metrics.backpressure.inc)
+        self.writer = EventWriter(
+            store,
+            on_wait=metrics.backpressure.inc,
+            on_full=metrics.store_full.set,
+            on_failed=self._rows_failed,
+        )
         self._ready: deque[str] = deque()
         self._work = asyncio.Event()
         self._dirty = asyncio.Event()
@@ -219,7 +227,13 @@ class JobTable:
             if len(seen) > limit:
                 seen.popitem(last=False)
             hoisted.add(ev.id)
-            engine.add(ev)
+            try:
+                engine.add(ev)
+            except Exception as exc:  # counted and marked here; the batch's own processing decides
+                hoisted.discard(ev.id)
+                seen.pop(ev.id, None)
+                self._fault(state, "hoist", exc)
+                continue
             fed = True
             if ev.rule is not None:
                 key = (ev.node, ev.rank, ev.rule)
@@ -228,6 +242,46 @@ class JobTable:
                     state.sent[key] = batch.sent_at
         if fed:
             await self._changed(state, failing, candidates)
+
+    def _fault(self, state: JobState, stage: str, exc: BaseException) -> None:
+        """A fault inside one job: counted, logged with the job id (the traceback the first
+        time), the job marked broken (its document says so); the daemon goes on."""
+        self.metrics.job_errors.labels(stage).inc()
+        first = state.broken is None
+        if first:
+            state.broken = {"stage": stage, "error": f"{type(exc).__name__}: {exc}"[:500], "at": self._wall()}
+        log.error(
+            "fault inside a job; it is marked broken, the daemon goes on job=%s stage=%s error=%s: %s",
+            state.job, stage, type(exc).__name__, exc, exc_info=exc if first else None,
+        )  # fmt: skip
+
+    async def _dead_letter(
+        self, batch: wire.Batch, payload: bytes | None, stage: str, exc: BaseException
+    ) -> None:
+        """Keep a batch whose processing raised (as received, or re-encoded), counted."""
+        data = (
+            payload
+            if payload is not None
+            else wire.encode_batch(
+                batch.agent, batch.job, batch.node, batch.seq, batch.sent_at, batch.events, batch.behind
+            )
+        )
+        self.metrics.dead_letters.labels(stage).inc()
+        try:
+            await self.store.dead_letter(batch.job, batch.agent, stage, f"{type(exc).__name__}: {exc}", data)
+        except Exception as err:
+            log.error("dead letter not stored job=%s error=%s", batch.job, err)
+
+    async def _rows_failed(self, rows: list[EventRow], job: str, exc: Exception) -> None:
+        self.metrics.dead_letters.labels("store").inc()
+        state = self.jobs.get(job)
+        if state is not None:
+            self._fault(state, "store", exc)
+        data = b"[" + b",".join(r[7] for r in rows) + b"]"
+        try:
+            await self.store.dead_letter(job, None, "store", f"{type(exc).__name__}: {exc}", data)
+        except Exception as err:
+            log.error("dead letter not stored job=%s rows=%d error=%s", job, len(rows), err)
 
     def _mark(self, state: JobState, batch: wire.Batch) -> None:
         now = self._mono()
@@ -371,7 +425,12 @@ class JobTable:
                 while state.pending:
                     batch, ack, received, payload = state.pending.popleft()
                     state.room.set()
-                    await self._process(state, batch, ack, received, payload)
+                    try:
+                        await self._process(state, batch, ack, received, payload)
+                    except Exception as exc:  # this job's problem: its batch is kept, the rest goes on
+                        self._fault(state, "process", exc)
+                        await self._dead_letter(batch, payload, "process", exc)
+                        ack()
                     if self.jobs.get(job) is not state:
                         break
             self._busy = False
@@ -520,9 +579,24 @@ class JobTable:
                     await self.diagnose(state)
 
     async def diagnose(self, state: JobState) -> dict[str, Any]:
+        """The job's diagnosis, published, alerted and stored. A fault in any of that is the
+        job's: counted, the job marked broken (`broken` in its document), its last good
+        diagnosis kept; the daemon and the other jobs go on."""
         state.dirty_since = None
         state.dirty_by_rule = False
         self._dirty_jobs.pop(state.job, None)
+        try:
+            return await self._diagnose(state)
+        except StoreError as exc:
+            log.error("diagnosis not stored job=%s error=%s", state.job, exc)  # the store's, not the job's
+        except Exception as exc:
+            self._fault(state, "diagnose", exc)
+        doc: dict[str, Any] = dict(state.diagnosis) if state.diagnosis is not None else {"job": state.job}
+        doc.setdefault("verdict", "unknown")
+        doc["broken"] = state.broken
+        return doc
+
+    async def _diagnose(self, state: JobState) -> dict[str, Any]:
         t0 = time.perf_counter()
         doc = state.engine.diagnose()
         state.diagnosis_cost = time.perf_counter() - t0
@@ -531,6 +605,8 @@ class JobTable:
         self.metrics.diagnosis_seconds.observe(state.diagnosis_cost)
         doc["agents"] = sorted(self.agents.get(state.job, {}).values(), key=lambda a: str(a["agent"]))
         doc["open"] = True
+        if state.broken is not None:
+            doc["broken"] = state.broken
         state.diagnosis = doc
         self._export(state, doc)
         if self.bus is not None:
@@ -594,6 +670,17 @@ class JobTable:
         state = self.jobs.get(job)
         if state is None:
             return
+        try:
+            await self._close(job, state)
+        except Exception as exc:  # closed anyway: nothing of it may stay behind to fail again
+            self._fault(state, "close", exc)
+            if self.jobs.get(job) is state:
+                del self.jobs[job]
+            with contextlib.suppress(Exception):
+                await self.alerter.on_close(job)
+            self._forget(state)
+
+    async def _close(self, job: str, state: JobState) -> None:
         doc = await self.diagnose(state)
         doc["open"] = False
         await self.store.save_diagnosis(job, doc)
@@ -627,7 +714,10 @@ class JobTable:
                 seen[ev.id] = None
                 if len(seen) > limit:
                     seen.popitem(last=False)
-                state.engine.add(ev)
+                try:
+                    state.engine.add(ev)
+                except Exception as exc:  # a stored event the engine cannot take: counted, skipped
+                    self._fault(state, "restore", exc)
             self.alerter.restore(job, await self.store.incidents(job))
             state.failure_observed = job in self.alerter.active
             self._mark_dirty(state)

@@ -13,14 +13,18 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 KINDS = ("match", "progress", "heartbeat")
-INVALID_REASONS = ("too_large", "not_json", "version", "bad_id", "topic_mismatch", "schema", "topic")
+INVALID_REASONS = (
+    "too_large", "not_json", "version", "bad_id", "topic_mismatch", "schema", "topic", "range", "nesting", "field",
+)  # fmt: skip
 STAGES = ("none", "info", "warn", "error")
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 _LAG_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 3600.0)
 
 
-def invalid_reason(message: str) -> str:
-    """Map a `WireError` message to one of INVALID_REASONS (a bounded label value)."""
+def invalid_reason(message: str, code: str | None = None) -> str:
+    """Map a `WireError` (its code, else its message) to one of INVALID_REASONS (a bounded label)."""
+    if code in INVALID_REASONS:
+        return code
     m = message.lower()
     if "exceeds" in m and "bytes" in m:
         return "too_large"
@@ -142,6 +146,23 @@ class Metrics:
             buckets=_LATENCY_BUCKETS, registry=r,
         )  # fmt: skip
         self.reloads = Counter("denpex_reloads_total", "SIGHUP reloads", ["result"], registry=r)
+        self.job_errors = Counter(
+            "denpex_job_errors_total",
+            "Errors raised inside one job's processing (the job is marked broken, the daemon goes on)",
+            ["stage"],
+            registry=r,
+        )
+        self.dead_letters = Counter(
+            "denpex_ingest_dead_letters_total",
+            "Messages whose processing raised: kept in the store's dead_letters table and acknowledged",
+            ["stage"],
+            registry=r,
+        )
+        self.store_full = Gauge(
+            "denpex_store_full",
+            "1 while the disk under the store is full (acknowledgements wait)",
+            registry=r,
+        )
         self.broker_client_failures = Counter(
             "denpex_broker_client_failures_total",
             "Client connections the embedded broker lost to an error of its own (the client reconnects)",

@@ -58,8 +58,15 @@ def load(loader: Loader) -> Loaded:
 
 
 class App:
-    def __init__(self, loader: Loader, *, registry: CollectorRegistry | None = None) -> None:
+    def __init__(
+        self,
+        loader: Loader,
+        *,
+        registry: CollectorRegistry | None = None,
+        set_aside_damaged_store: bool = False,
+    ) -> None:
         self.loader = loader
+        self.set_aside_damaged_store = set_aside_damaged_store
         self.loaded = load(loader)
         self.registry = registry if registry is not None else CollectorRegistry()
         self.metrics = Metrics(self.registry)
@@ -116,7 +123,9 @@ class App:
         cfg = self.loaded.cfg
         log.info("starting denpexd serve config=%s", cfg.redacted())
         async with contextlib.AsyncExitStack() as stack:
-            store = await stack.enter_async_context(Store(cfg.store_path))
+            store = await stack.enter_async_context(
+                Store(cfg.store_path, set_aside_damaged=self.set_aside_damaged_store)
+            )
             if cfg.broker is None:
                 await stack.enter_async_context(
                     EmbeddedBroker(cfg.mqtt_listen, on_client_failure=self.metrics.broker_client_failures.inc)
@@ -177,9 +186,9 @@ class App:
             await asyncio.sleep(RETENTION_EVERY_S)
 
 
-def run_serve(loader: Loader) -> None:
+def run_serve(loader: Loader, *, set_aside_damaged_store: bool = False) -> None:
     """Load, then serve until stopped; raises `DenpexdError` subclasses for the CLI to report."""
-    app = App(loader)
+    app = App(loader, set_aside_damaged_store=set_aside_damaged_store)
     # The daemon holds hundreds of thousands of long-lived objects (events kept by the engines,
     # diagnoses, queued batches); the collector's default of a young-generation pass every 700
     # allocations makes it re-examine them often. Start-up objects (modules, rules) are frozen.

@@ -51,7 +51,7 @@ def run(args: argparse.Namespace, redact: Redactor | None = None) -> int:
         return 2
     logging.getLogger().setLevel(cfg.log_level.upper())
     try:
-        run_serve(loader)
+        run_serve(loader, set_aside_damaged_store=bool(getattr(args, "set_aside_damaged_store", False)))
     except DenpexdError as exc:
         print(redact(f"denpexd serve: {exc}"), file=sys.stderr)
         return 1

@@ -10,10 +10,12 @@ events are restored or listed, and deduplicated in memory like the live path doe
 from __future__ import annotations
 
 import asyncio
+import logging
+import os
 import sqlite3
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import TracebackType
@@ -28,6 +30,7 @@ from denpexd import fastwire
 from denpexd.errors import StoreError
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 _MIGRATIONS: tuple[str, ...] = (
     """
@@ -48,6 +51,12 @@ _MIGRATIONS: tuple[str, ...] = (
     # `doc` is the batch as received, `id` its first event's id, `rank`..`rank_last` its ranks
     """
     ALTER TABLE events ADD COLUMN rank_last INTEGER;
+    """,
+    # 3: messages whose processing raised, kept as received (acknowledged, never redelivered)
+    """
+    CREATE TABLE dead_letters (
+        seq INTEGER PRIMARY KEY, job TEXT, agent TEXT, received REAL NOT NULL, stage TEXT NOT NULL,
+        error TEXT NOT NULL, payload BLOB NOT NULL);
     """,
 )
 
@@ -94,14 +103,34 @@ def _batch_events(job: str, doc: bytes) -> list[Event]:
     return fastwire.decode_batch(doc, topic_job=job).events
 
 
-class Store:
-    """`async with Store(path) as store:` opens (and migrates) the database in its own thread."""
+RECOVER = (
+    "start with --data-dir pointing elsewhere, or let denpexd set the damaged file aside and start "
+    "with an empty store: denpexd serve --set-aside-damaged-store"
+)
 
-    def __init__(self, path: Path, *, clock: Callable[[], float] = time.time) -> None:
+
+class StoreFull(StoreError):
+    """The disk under the store is full: nothing was written (the caller keeps it and retries)."""
+
+
+class Store:
+    """`async with Store(path) as store:` opens (and migrates) the database in its own thread.
+
+    Writes run in that thread; reads for the HTTP API run on a second, read-only connection in a
+    thread of their own, so a busy writer never holds an API request back (WAL lets both go).
+    A store that is empty, truncated or damaged is refused with a message that names the file and
+    how to go on, unless ``set_aside_damaged`` moves it aside (and says so) for a fresh one."""
+
+    def __init__(
+        self, path: Path, *, clock: Callable[[], float] = time.time, set_aside_damaged: bool = False
+    ) -> None:
         self.path = path
         self._clock = clock
+        self._set_aside = set_aside_damaged
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="denpex-store")
+        self._read_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="denpex-store-read")
         self._db: sqlite3.Connection | None = None
+        self._rdb: sqlite3.Connection | None = None
 
     async def __aenter__(self) -> Self:
         await self._run(self._open)
@@ -110,17 +139,50 @@ class Store:
     async def __aexit__(
         self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
     ) -> None:
+        await asyncio.get_running_loop().run_in_executor(self._read_pool, self._close_reader)
         await self._run(self._close)
         self._pool.shutdown(wait=True)
+        self._read_pool.shutdown(wait=True)
 
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+        except sqlite3.Error as exc:
+            raise self._translate(exc) from exc
+
+    async def _read(self, fn: Callable[..., T], *args: Any) -> T:
+        """A read on the reader connection (its own thread: never behind the writer)."""
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._read_pool, fn, *args)
+        except sqlite3.Error as exc:
+            raise self._translate(exc) from exc
+
+    def _translate(self, exc: sqlite3.Error) -> StoreError:
+        where = f"{self.path} (data dir {self.path.parent})"
+        if getattr(exc, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL:
+            return StoreFull(where, "the disk is full; events stay unacknowledged until space returns")
+        if isinstance(exc, sqlite3.DatabaseError) and not isinstance(exc, sqlite3.OperationalError):
+            return StoreError(where, f"damaged ({exc}); {RECOVER}")
+        return StoreError(where, str(exc))
 
     # -- in the store thread ----------------------------------------------------------------------
 
     def _open(self) -> None:
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise StoreError(str(self.path), f"cannot create its folder: {exc.strerror or exc}") from exc
+        problem = self._damage()
+        if problem is not None:
+            if not self._set_aside:
+                raise StoreError(str(self.path), f"{problem}; {RECOVER}")
+            aside = self.path.with_name(f"{self.path.name}.damaged-{int(self._clock())}")
+            for suffix in ("", "-wal", "-shm"):
+                src = Path(str(self.path) + suffix)
+                if src.exists():
+                    os.replace(src, Path(str(aside) + suffix))
+            log.warning("store set aside; starting with an empty one problem=%s moved_to=%s", problem, aside)
+        try:
             db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
             # progress batches are stored as received, ~14 KB a row: larger pages mean fewer
             # overflow pages per row (takes effect when the database is created)
@@ -133,9 +195,53 @@ class Store:
                 raise StoreError(str(self.path), f"schema version {version} is newer than this denpexd")
             for i in range(version, len(_MIGRATIONS)):
                 db.executescript(f"BEGIN; {_MIGRATIONS[i]}; PRAGMA user_version={i + 1}; COMMIT;")
-        except (sqlite3.Error, OSError) as exc:
+        except sqlite3.Error as exc:
+            raise self._translate(exc) from exc
+        except OSError as exc:
             raise StoreError(str(self.path), str(exc)) from exc
         self._db = db
+
+    def _damage(self) -> str | None:
+        """What is wrong with an existing store file, or None (a missing file is a new store)."""
+        try:
+            size = self.path.stat().st_size
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            return f"cannot read it ({exc.strerror or exc})"
+        if size == 0:
+            wal = Path(str(self.path) + "-wal")
+            if not (wal.exists() and wal.stat().st_size > 0):
+                return "the file is empty (truncated?): every job it held would be gone"
+        try:
+            with self.path.open("rb") as fh:
+                head = fh.read(16)
+        except OSError as exc:
+            return f"cannot read it ({exc.strerror or exc})"
+        if size and head != b"SQLite format 3\x00":
+            return "not an SQLite database (its first bytes are wrong)"
+        try:  # the schema and the first page of every table (a full check would read it all)
+            probe = sqlite3.connect(f"file:{self.path}?mode=ro", uri=True)
+            try:
+                tables = [r[0] for r in probe.execute("SELECT name FROM sqlite_master WHERE type = 'table'")]
+                for table in tables:
+                    probe.execute(f'SELECT * FROM "{table}" LIMIT 1').fetchall()
+            finally:
+                probe.close()
+        except sqlite3.Error as exc:
+            return f"damaged ({exc})"
+        return None
+
+    def _reader(self) -> sqlite3.Connection:
+        if self._rdb is None:
+            self._rdb = sqlite3.connect(f"file:{self.path}?mode=ro", uri=True, check_same_thread=False)
+            self._rdb.execute("PRAGMA busy_timeout=5000")
+        return self._rdb
+
+    def _close_reader(self) -> None:
+        if self._rdb is not None:
+            self._rdb.close()
+            self._rdb = None
 
     def _close(self) -> None:
         if self._db is not None:
@@ -150,20 +256,45 @@ class Store:
     def _write_events(self, rows: list[EventRow], jobs: dict[str, tuple[float, float]]) -> int:
         db = self.db
         db.execute("BEGIN")
-        before = db.total_changes
-        db.executemany(
-            "INSERT OR IGNORE INTO events (job, id, node, rank, kind, ts, received, doc, rank_last)"
-            " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-            rows,
-        )
-        written = db.total_changes - before
-        db.executemany(
-            "INSERT INTO jobs (job, first_seen, last_seen) VALUES (?, ?, ?) ON CONFLICT (job) DO UPDATE"
-            " SET last_seen = max(last_seen, excluded.last_seen), closed_at = NULL",
-            [(job, first, last) for job, (first, last) in jobs.items()],
-        )
-        db.execute("COMMIT")
+        try:
+            before = db.total_changes
+            db.executemany(
+                "INSERT OR IGNORE INTO events (job, id, node, rank, kind, ts, received, doc, rank_last)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                rows,
+            )
+            written = db.total_changes - before
+            db.executemany(
+                "INSERT INTO jobs (job, first_seen, last_seen) VALUES (?, ?, ?) ON CONFLICT (job) DO UPDATE"
+                " SET last_seen = max(last_seen, excluded.last_seen), closed_at = NULL",
+                [(job, first, last) for job, (first, last) in jobs.items()],
+            )
+            db.execute("COMMIT")
+        except BaseException:
+            if db.in_transaction:
+                db.execute("ROLLBACK")
+            raise
         return written
+
+    def _dead_letter(
+        self, job: str | None, agent: str | None, stage: str, error: str, payload: bytes
+    ) -> None:
+        self.db.execute(
+            "INSERT INTO dead_letters (job, agent, received, stage, error, payload) VALUES (?, ?, ?, ?, ?, ?)",
+            (job, agent, self._clock(), stage, error[:2000], payload),
+        )
+
+    def _dead_letters(self, limit: int) -> list[dict[str, Any]]:
+        rows = self._reader().execute(
+            "SELECT seq, job, agent, received, stage, error, length(payload), substr(payload, 1, 512)"
+            " FROM dead_letters ORDER BY seq DESC LIMIT ?",
+            (limit,),
+        )
+        keys = ("seq", "job", "agent", "received", "stage", "error", "bytes")
+        return [
+            {**dict(zip(keys, r[:7], strict=True)), "head": bytes(r[7]).decode("utf-8", "replace")}
+            for r in rows
+        ]
 
     def _save_diagnosis(self, job: str, doc: dict[str, Any]) -> None:
         ini = doc.get("initiator") or {}
@@ -182,7 +313,7 @@ class Store:
         )
         db.execute("COMMIT")
 
-    def _load_events(self, job: str) -> list[Event]:
+    def _load_events(self, job: str) -> list[Event]:  # at start-up, on the writer's connection
         out = []
         sql = "SELECT node, kind, doc FROM events WHERE job = ? ORDER BY seq"
         for node, kind, doc in self.db.execute(sql, (job,)):
@@ -205,7 +336,7 @@ class Store:
             where += " AND kind = ?"
             args.append(kind)
         out: list[dict[str, Any]] = []
-        for node, k, doc in self.db.execute(
+        for node, k, doc in self._reader().execute(
             f"SELECT node, kind, doc FROM events WHERE {where} ORDER BY seq", args
         ):
             if k == BATCH:
@@ -273,8 +404,8 @@ class Store:
         return await self._run(self._load_events, job)
 
     async def list_jobs(self, limit: int) -> list[dict[str, Any]]:
-        rows = await self._run(
-            self._query,
+        rows = await self._read(
+            self._read_query,
             "SELECT job, first_seen, last_seen, closed_at, verdict, initiator_node, initiator_rank, category"
             " FROM jobs ORDER BY last_seen DESC LIMIT ?",
             (limit,),
@@ -285,18 +416,27 @@ class Store:
         ]
 
     async def diagnosis(self, job: str) -> dict[str, Any] | None:
-        rows = await self._run(self._query, "SELECT doc FROM diagnoses WHERE job = ?", (job,))
+        rows = await self._read(self._read_query, "SELECT doc FROM diagnoses WHERE job = ?", (job,))
         return orjson.loads(rows[0][0]) if rows else None
 
     async def job_exists(self, job: str) -> bool:
-        return bool(await self._run(self._query, "SELECT 1 FROM jobs WHERE job = ?", (job,)))
+        return bool(await self._read(self._read_query, "SELECT 1 FROM jobs WHERE job = ?", (job,)))
+
+    async def dead_letter(
+        self, job: str | None, agent: str | None, stage: str, error: str, payload: bytes
+    ) -> None:
+        """Keep a message whose processing raised (then it is acknowledged, never redelivered)."""
+        await self._run(self._dead_letter, job, agent, stage, error, payload)
+
+    async def dead_letters(self, limit: int) -> list[dict[str, Any]]:
+        return await self._read(self._dead_letters, limit)
 
     async def events(
         self, job: str, rank: int | None, limit: int, kind: str | None = None
     ) -> list[dict[str, Any]]:
         """A job's events in arrival order (progress batches expanded), optionally of one rank
         and/or one kind."""
-        return await self._run(self._events, job, rank, kind, limit)
+        return await self._read(self._events, job, rank, kind, limit)
 
     async def apply_retention(self, closed_before: float) -> int:
         return await self._run(self._retention, closed_before)
@@ -316,11 +456,21 @@ class Store:
     def _query(self, sql: str, args: Iterable[Any]) -> list[tuple[Any, ...]]:
         return self.db.execute(sql, tuple(args)).fetchall()
 
+    def _read_query(self, sql: str, args: Iterable[Any]) -> list[tuple[Any, ...]]:
+        return self._reader().execute(sql, tuple(args)).fetchall()
+
+
+FULL_RETRY_S = (0.5, 1.0, 2.0, 5.0)  # waits between tries while the disk is full (the last repeats)
+
 
 class EventWriter:
     """Batches event rows into one transaction per flush, then runs the deliveries' acks.
 
     `add()` waits while more than `max_rows` rows are buffered (back-pressure towards ingest).
+    While the disk is full nothing is acknowledged: the same rows are tried again until they are
+    written (`on_full(True)` / `on_full(False)` say when that starts and ends). Rows that cannot
+    be written for any other reason go to `on_failed(rows, job, error)` one delivery at a time
+    (the dead-letter table), and are then acknowledged: never redelivered forever.
     """
 
     def __init__(
@@ -330,11 +480,15 @@ class EventWriter:
         max_rows: int = 50_000,
         commit_rows: int = 1_000,
         on_wait: Callable[[], None] | None = None,
+        on_full: Callable[[bool], None] | None = None,
+        on_failed: Callable[[list[EventRow], str, Exception], Awaitable[None]] | None = None,
     ) -> None:
         self.store = store
         self.max_rows = max_rows
         self.commit_rows = commit_rows
         self._on_wait = on_wait
+        self._on_full = on_full
+        self._on_failed = on_failed
         self._adds: deque[tuple[list[EventRow], str, float, float, Callable[[], None]]] = deque()
         self._buffered = 0  # rows in `_adds`
         self._wake = asyncio.Event()
@@ -367,20 +521,63 @@ class EventWriter:
                 # keeps the store thread free for incidents and diagnoses queued behind it
                 rows: list[EventRow] = []
                 jobs: dict[str, tuple[float, float]] = {}
-                acks = []
+                group = []
                 while adds and (not rows or len(rows) + len(adds[0][0]) <= self.commit_rows):
-                    more, job, first, last, ack = adds.popleft()
+                    entry = adds.popleft()
+                    more, job, first, last, _ack = entry
                     rows.extend(more)
                     prev = jobs.get(job)
                     jobs[job] = (min(first, prev[0]), max(last, prev[1])) if prev else (first, last)
-                    acks.append(ack)
+                    group.append(entry)
                 self._buffered -= len(rows)
                 if self._buffered < self.max_rows:
                     self._room.set()
-                self.written += await self.store.write_events(rows, jobs)
-                for ack in acks:
-                    ack()
+                try:
+                    self.written += await self._write(rows, jobs)
+                except Exception:  # not a full disk (that waits in _write): a fault of the rows
+                    await self._one_by_one(group)
+                    continue
+                for entry in group:
+                    entry[4]()
             self._idle.set()
+
+    async def _write(self, rows: list[EventRow], jobs: dict[str, tuple[float, float]]) -> int:
+        """Write, waiting (and trying again) for as long as the disk is full."""
+        tries = 0
+        while True:
+            try:
+                written = await self.store.write_events(rows, jobs)
+            except StoreFull as exc:
+                if tries == 0:
+                    log.error("%s", exc)
+                    if self._on_full is not None:
+                        self._on_full(True)
+                await asyncio.sleep(FULL_RETRY_S[min(tries, len(FULL_RETRY_S) - 1)])
+                tries += 1
+                continue
+            if tries and self._on_full is not None:
+                self._on_full(False)
+                log.warning("the store's disk has room again; writing resumed after tries=%d", tries)
+            return written
+
+    async def _one_by_one(
+        self, group: list[tuple[list[EventRow], str, float, float, Callable[[], None]]]
+    ) -> None:
+        """A transaction failed for a reason of its own: each delivery on its own, the failing
+        ones to the dead letters; then every one is acknowledged."""
+        for rows, job, first, last, ack in group:
+            try:
+                self.written += await self._write(rows, {job: (first, last)})
+            except Exception as exc:
+                log.error(
+                    "rows could not be stored; kept as dead letters job=%s rows=%d error=%s",
+                    job,
+                    len(rows),
+                    exc,
+                )
+                if self._on_failed is not None:
+                    await self._on_failed(rows, job, exc)
+            ack()
 
     async def flush(self) -> None:
         """Wait until everything added so far is committed and acknowledged."""

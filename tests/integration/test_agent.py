@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import shutil
@@ -103,6 +104,40 @@ async def test_resumes_after_kill_9_without_loss_and_with_stable_ids(tmp_path: P
         ids.setdefault(_marker(e.text), set()).add(e.id)
     assert set(ids) == set(range(200))
     assert all(len(v) == 1 for v in ids.values()), "a re-sent line must carry the same event id"
+
+
+@pytest.mark.asyncio
+async def test_an_impossible_checkpoint_position_is_reported_and_its_file_read_again(tmp_path: Path) -> None:
+    """One position with offset -5 (hand-edited, or a bug): reported, that file read again from
+    its start, the other file resumed where it was; nothing of either file is missed."""
+    job = unique_job()
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    for r in (0, 1):
+        (logs / f"rank{r}.log").write_text(
+            "".join(f"RuntimeError: CUDA error: an illegal memory access was encountered marker={r * 100 + i}\n"
+                    for i in range(20)) + "2026-11-29 12:00:00,000 INFO done\n"
+        )  # fmt: skip
+    cmd = agent_cmd(job, "n1", [str(logs / "rank*.log")], tmp_path / "state", "--checkpoint-interval", "0.2")
+    async with collector(job) as got:
+        proc = start_agent(cmd, tmp_path / "agent.log")
+        await eventually(lambda: len(got.events("match")) >= 40)
+        assert stop(proc) == 0
+    state = tmp_path / "state" / "checkpoints.json"
+    doc = json.loads(state.read_text())
+    by_path = {p["path"]: ident for ident, p in doc["files"].items()}
+    doc["files"][by_path[str(logs / "rank0.log")]]["offset"] = -5
+    state.write_text(json.dumps(doc))
+    with (logs / "rank1.log").open("a") as fh:
+        fh.write("RuntimeError: CUDA error: an illegal memory access was encountered marker=199\n2026 x\n")
+    async with collector(job) as again:
+        proc = start_agent(cmd, tmp_path / "agent.log")
+        await eventually(lambda: {_marker(e.text) for e in again.events("match")} >= set(range(20)) | {199})
+        assert stop(proc) == 0
+    resent = {_marker(e.text) for e in again.events("match")}
+    assert not resent & set(range(100, 120)), "rank1.log resumed from its position"
+    text = (tmp_path / "agent.log").read_text()
+    assert "impossible position" in text and "read again from its start" in text
 
 
 def _get(url: str) -> str:

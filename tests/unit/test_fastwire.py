@@ -73,3 +73,48 @@ def test_same_outcome_as_the_reference_validator(
 def test_well_formed_batches_are_equal() -> None:
     payload = orjson.dumps(_batch([_event(i) for i in range(50)]))
     assert _outcome(fastwire.decode_batch, payload) == _outcome(wire.decode_batch, payload)
+
+
+FIELD_VALUES = st.one_of(
+    st.none(), st.booleans(), st.integers(-(2**60), 2**60), st.floats(allow_nan=True, allow_infinity=False),
+    st.floats(min_value=-1e6, max_value=1e6), st.text(max_size=1100), st.lists(st.integers(-9, 9), max_size=2),
+    st.dictionaries(st.text(max_size=3), st.dictionaries(st.text(max_size=3), st.integers(-9, 9), max_size=2), max_size=2),
+)  # fmt: skip
+FIELD_KEYS = st.one_of(
+    st.sampled_from(["step", "clock_offset_s", "clock_uncertainty_s", "loss"]), st.text(max_size=70)
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    fields=st.dictionaries(FIELD_KEYS, FIELD_VALUES, max_size=4),
+    ts=st.one_of(st.none(), st.floats(allow_nan=False, allow_infinity=False), st.integers(-(2**40), 2**40)),
+    offset=st.integers(-5, 2**63 - 1),
+    behind=st.one_of(st.integers(-5, 2**60), st.floats(allow_nan=False, allow_infinity=False)),
+)
+def test_bounds_at_the_edge_are_decided_alike(
+    fields: dict[str, Any], ts: Any, offset: int, behind: Any
+) -> None:
+    """Timestamps outside 2000-2100, nested or oversized fields, absurd clock offsets and
+    counters: the fast path refuses nothing the reference takes, and takes nothing it refuses."""
+    event = {**_event(1), "fields": fields, "ts": ts, "offset": offset}
+    payload = orjson.dumps(_batch([event], behind=behind))
+    assert _outcome(fastwire.decode_batch, payload) == _outcome(wire.decode_batch, payload)
+
+
+def test_absurd_numbers_are_refused_and_labelled() -> None:
+    cases = {
+        "range": [{"ts": 1e300}, {"ts": -1e12}, {"ts": 253402300810.0}, {"fields": {"clock_offset_s": 1e308}},
+                  {"fields": {"step": 2**60}}],
+        "nesting": [{"fields": {"a": {"x": {"x": 1}}}}, {"fields": {"a": [1, 2]}}],
+        "field": [{"fields": {"text": "x" * 2000}}],
+    }  # fmt: skip
+    for code, changes in cases.items():
+        for change in changes:
+            payload = orjson.dumps(_batch([{**_event(1), **change}]))
+            try:
+                wire.decode_batch(payload, "job-1")
+            except wire.WireError as exc:
+                assert exc.code == code, change
+            else:
+                raise AssertionError(f"accepted: {change}")
