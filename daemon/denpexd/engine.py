@@ -20,6 +20,7 @@ keeps it independent of which lines happened to be read first.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import statistics
@@ -44,6 +45,12 @@ LOSS_SCALE_DROPS_DEGRADED = 3
 HANG_RULE = "hang-rank-stopped-progress"
 KILLED_RULE = "torchrun-worker-sigkill"
 STRAGGLER_RULE = "straggler-slow-rank"
+# Bounds of one job's state (a flood of distinct ranks, files or rules cannot grow it further):
+MAX_CANDIDATE_AGGREGATES = 16_384  # first events of causes and symptoms (rank, rule)
+MAX_OTHER_AGGREGATES = 32_768  # first events of collateral (rank, rule)
+MAX_TRACKS = 65_536  # ranks whose progress is followed
+MAX_CANDIDATES_SHOWN = 64  # candidates listed in a diagnosis (best first)
+KEPT_TEXT = 300  # chars of a collateral event's text kept in memory (its context is dropped)
 
 _STAGES = ("none", "info", "warn", "error")
 
@@ -288,6 +295,8 @@ class Engine:
         self.agent_offsets: dict[str, tuple[float, float]] = {}
         self.events_seen = 0
         self.rank_events: dict[tuple[str, int | None], int] = {}  # rule events per (node, rank)
+        self.overflow: dict[str, int] = {}  # events of aggregates not kept (the bounds), by rule
+        self.tracks_dropped = 0  # events of ranks beyond MAX_TRACKS (no track: no progress kept)
         self.failing_aggs = 0  # aggregates whose first event is an error or worse
         self.candidate_aggs = 0  # aggregates whose first event may name the initiator
 
@@ -310,27 +319,48 @@ class Engine:
                 if cur is None or (cand[1], cand[0]) < (cur[1], cur[0]):
                     self.agent_offsets[ev.node] = cand
             return
-        if ev.rule is None:
+        rule = ev.rule
+        if rule is None:
             return
+        ev = _kept(ev)
         if ev.rank is None:
-            ukey = (ev.node, ev.file, ev.local_rank, ev.rule)
+            ukey = (ev.node, ev.file, ev.local_rank, rule)
             uagg = self.unranked.get(ukey)
             if uagg is None:
-                self.unranked[ukey] = Aggregate(first=ev, last_ts=ev.ts)
-                self._count_new(ev)
+                if self._room_for(ev):
+                    self.unranked[ukey] = Aggregate(first=ev, last_ts=ev.ts)
+                    self._count_new(ev)
             else:
                 uagg.add(ev)
             return
-        self._track(ev.node, ev.rank).vote(ev)
-        key = (ev.node, ev.rank, ev.rule)
+        track = self._track(ev.node, ev.rank)
+        if track is not None:
+            track.vote(ev)
+        key = (ev.node, ev.rank, rule)
         nr = (ev.node, ev.rank)
-        self.rank_events[nr] = self.rank_events.get(nr, 0) + 1
         agg = self.aggs.get(key)
         if agg is None:
+            if not self._room_for(ev):
+                return
+            self.rank_events[nr] = self.rank_events.get(nr, 0) + 1
             self.aggs[key] = Aggregate(first=ev, last_ts=ev.ts)
             self._count_new(ev)
             return
+        self.rank_events[nr] = self.rank_events.get(nr, 0) + 1
         agg.add(ev)
+
+    def _room_for(self, ev: Event) -> bool:
+        """Whether a new aggregate may be kept (see the bounds above); if not, the event is
+        counted in `overflow` by rule (the diagnosis says so): a flood of distinct collateral
+        cannot push a cause out, nor grow the job without bound."""
+        if ev.role in ("root-cause", "symptom"):
+            room = self.candidate_aggs < MAX_CANDIDATE_AGGREGATES
+        else:
+            room = len(self.aggs) + len(self.unranked) - self.candidate_aggs < MAX_OTHER_AGGREGATES
+        if not room:
+            rule = ev.rule or "?"
+            self.overflow[rule] = self.overflow.get(rule, 0) + 1
+        return room
 
     def _count_new(self, ev: Event) -> None:
         if ev.role in ("root-cause", "symptom"):
@@ -353,6 +383,8 @@ class Engine:
             track = self.tracks.get((ev.node, ev.rank))
             if track is None:
                 track = self._track(ev.node, ev.rank)
+                if track is None:
+                    return
         track.add(step, ev.ts, ev)
 
     def _node(self, node: str) -> NodeProgress:
@@ -361,9 +393,13 @@ class Engine:
             p = self.progress[node] = NodeProgress()
         return p
 
-    def _track(self, node: str, rank: int | None) -> RankTrack:
+    def _track(self, node: str, rank: int | None) -> RankTrack | None:
+        """The rank's track, made on first sight (None beyond MAX_TRACKS ranks: counted)."""
         t = self.tracks.get((node, rank))
         if t is None:
+            if len(self.tracks) >= MAX_TRACKS:
+                self.tracks_dropped += 1
+                return None
             t = self.tracks[(node, rank)] = RankTrack(node=node, rank=rank, progress=self._node(node))
         return t
 
@@ -467,9 +503,10 @@ class Engine:
         )
 
         candidates = self._candidates(aggs, tracks, failing, failure_start, aligned)
+        tied = 0
         if failing and not candidates:
-            candidates = self._hang_suspect(aggs, tracks, aligned) or []
-        ranked = self._rank_candidates(candidates, clocks)
+            candidates, tied = self._hang_suspect(aggs, tracks, aligned)
+        ranked = self._rank_candidates(candidates, clocks, tied)
         initiator = ranked[0] if ranked else None
 
         stragglers = self._stragglers(tracks)
@@ -494,7 +531,7 @@ class Engine:
             "verdict": verdict,
             "initiator": self._candidate_dict(initiator) if initiator else None,
             "root_cause": root_cause,
-            "candidates": [self._candidate_dict(c) for c in ranked],
+            "candidates": [self._candidate_dict(c) for c in ranked[:MAX_CANDIDATES_SHOWN]],
             "collateral": collateral,
             "collateral_ranks": sorted({c["rank"] for c in collateral if c["rank"] is not None}),
             "suppressed": sum(c["count"] for c in collateral),
@@ -506,6 +543,14 @@ class Engine:
             "ranks": self._rank_table(tracks, aligned),
             "stats": {"events": self.events_seen, "aggregates": len(self.aggs) + len(self.unranked)},
         }
+        if max(len(ranked), tied) > MAX_CANDIDATES_SHOWN:
+            out["candidates_total"] = max(len(ranked), tied)
+        if self.overflow or self.tracks_dropped:
+            out["overflow"] = {
+                "events_not_kept": sum(self.overflow.values()),
+                "by_rule": dict(sorted(self.overflow.items())),
+                "events_of_ranks_not_followed": self.tracks_dropped,
+            }
         return out
 
     def _candidates(
@@ -552,11 +597,12 @@ class Engine:
         aggs: dict[tuple[str, int | None, str], Aggregate],
         tracks: dict[tuple[str, int | None], RankTrack],
         aligned: Callable[[str, float | None], float | None],
-    ) -> list[Candidate] | None:
-        """No rank names a cause but ranks time out: the rank whose progress stopped first."""
+    ) -> tuple[list[Candidate], int]:
+        """No rank names a cause but ranks time out: the rank whose progress stopped first (the
+        first MAX_CANDIDATES_SHOWN of those tied, and how many are)."""
         ranks = [t for t in tracks.values() if t.rank is not None]
         if not ranks:
-            return None
+            return [], 0
         loud = {(n, r) for (n, r, _rule), a in aggs.items() if r is not None and a.first.role != "progress"}
         hints: dict[int, int] = {}
         for a in aggs.values():
@@ -571,9 +617,9 @@ class Engine:
             at = aligned(t.node, t.last_step_ts)
             return (hinted, silent, step, at if at is not None else math.inf, t.rank or 0, t.node)
 
-        ordered = sorted(ranks, key=key)
-        best = key(ordered[0])
-        tied = [t for t in ordered if key(t)[:3] == best[:3]]
+        keyed = sorted((key(t), i) for i, t in enumerate(ranks))
+        best = keyed[0][0][:3]
+        tied = [ranks[i] for k, i in keyed if k[:3] == best]
         return [
             Candidate(
                 t.node,
@@ -585,11 +631,11 @@ class Engine:
                 t.last_progress,
                 "hang",
             )
-            for t in tied
-        ]
+            for t in tied[:MAX_CANDIDATES_SHOWN]
+        ], len(tied)
 
     def _rank_candidates(
-        self, pool: list[Candidate], clocks: dict[str, ClockEstimate]
+        self, pool: list[Candidate], clocks: dict[str, ClockEstimate], tied: int = 0
     ) -> list[tuple[Candidate, float]]:
         """Earliest candidate per rank, best first (highest confidence, then earliest), each with
         a confidence; the confidences sum to 1."""
@@ -604,7 +650,7 @@ class Engine:
             return []
         first = ordered[0]
         if first.kind == "hang":
-            share = 1.0 / len(ordered)
+            share = 1.0 / max(len(ordered), tied)
             return [(c, share) for c in ordered]
         weights = []
         for c in ordered:
@@ -780,6 +826,18 @@ class Engine:
                 }
             )
         return rows
+
+
+def _kept(ev: Event) -> Event:
+    """What an aggregate keeps of an event: a cause's or a symptom's whole event (its context is
+    the evidence), and a launcher's report of an exit code or signal (it may name a killed
+    worker); of other collateral the start of its text and no context (memory: thousands of
+    ranks report the same consequence)."""
+    if ev.role in ("root-cause", "symptom") or "signal" in ev.fields or "exitcode" in ev.fields:
+        return ev
+    if not ev.context and len(ev.text) <= KEPT_TEXT:
+        return ev
+    return dataclasses.replace(ev, text=ev.text[:KEPT_TEXT], context=[])
 
 
 def _candidate_order(c: Candidate) -> tuple[bool, float, bool, int, str, tuple[bool, float, str, int, str]]:

@@ -43,7 +43,7 @@ from denpexd.metrics import Metrics, invalid_reason
 log = logging.getLogger(__name__)
 
 Ack = Callable[[], None]
-RECEIVE_MAXIMUM = 1000
+RECEIVE_MAXIMUM = 256  # QoS 1 deliveries in flight from the broker (v5): their payloads wait in memory
 QOS0_QUEUE_MAX = 10_000  # QoS 0 messages the client may hold before ingest takes them
 RECONNECT_MAX_S = 10.0
 PUBLISH_DRAIN_S = 5.0  # waiting for the broker's PUBACKs of our own messages on disconnect
@@ -55,7 +55,8 @@ _SOCKET_OPTIONS = ((socket.IPPROTO_TCP, socket.TCP_NODELAY, 1),)
 URGENT_SCAN_JOBS = 8
 READ_AHEAD_PACKETS = 64  # at most, per validated message
 YIELD_EVERY = 8  # validated messages between turns given to the other tasks
-BACKLOG_MAX = 2 * RECEIVE_MAXIMUM  # received, not yet validated messages (bounds memory)
+BACKLOG_MAX = 2 * RECEIVE_MAXIMUM  # received, not yet validated messages (bounds memory) ...
+BACKLOG_BYTES = 64 << 20  # ... and their payloads' bytes
 # A batch that may carry a match event is validated (and its matches hoisted) first. A JSON
 # string "match" is spelled with these bytes unless escaped with \u: no match event is missed,
 # and a false positive costs nothing (hoisting a batch without match events does nothing).
@@ -80,12 +81,14 @@ _RAW, _HOISTED, _DONE = 0, 1, 2
 class _Entry:
     """A received message waiting for validation (`batch` set once validated ahead of turn)."""
 
-    __slots__ = ("ack", "batch", "message", "state")
+    __slots__ = ("ack", "batch", "message", "size", "state")
 
     def __init__(self, message: aiomqtt.Message, ack: Ack) -> None:
         self.message, self.ack = message, ack
         self.batch: wire.Batch | None = None
         self.state = _RAW
+        payload = message.payload
+        self.size = len(payload) if isinstance(payload, (bytes, bytearray)) else 0
 
 
 class Ingest:
@@ -108,6 +111,7 @@ class Ingest:
         self._connected = asyncio.Event()
         self._publishing: set[asyncio.Future[None]] = set()
         self._backlog: deque[_Entry] = deque()
+        self._backlog_bytes = 0
         self._urgent: dict[str, deque[_Entry]] = {}  # job -> its batches carrying match events
         self._pending = asyncio.Event()
         self._draining = False
@@ -251,7 +255,8 @@ class Ingest:
                         await self.sink.hoist(batch)
             elif backlog:
                 entry = backlog.popleft()
-                if len(backlog) < BACKLOG_MAX:
+                self._backlog_bytes -= entry.size
+                if self._has_room():
                     self._room.set()
                 if entry.state == _RAW:
                     batch = self._decode(entry)
@@ -267,7 +272,7 @@ class Ingest:
                 self._pending.clear()
                 await self._pending.wait()
                 continue
-            if len(backlog) < BACKLOG_MAX and not self._draining:
+            if self._has_room() and not self._draining:
                 self._read_ahead()
                 if self._client is not None:
                     self._take_queued(self._client)  # what was read may be urgent: look at it now
@@ -278,8 +283,12 @@ class Ingest:
     def _take_queued(self, client: aiomqtt.Client) -> None:
         """Move what aiomqtt's queue holds (whatever paho has read already) into the backlog."""
         queue = client._queue
-        while queue.qsize() and len(self._backlog) < BACKLOG_MAX:
+        while queue.qsize() and self._has_room():
             self._take(client, queue.get_nowait())
+
+    def _has_room(self) -> bool:
+        """Whether the backlog may take more (bounded in messages and in bytes)."""
+        return len(self._backlog) < BACKLOG_MAX and self._backlog_bytes < BACKLOG_BYTES
 
     def _read_ahead(self) -> None:
         """Read the deliveries already in the socket now. The event loop's reader callback has
@@ -318,7 +327,7 @@ class Ingest:
                     # the iterator costs a task and an `asyncio.wait` per message: take the rest
                     # directly, so a batch behind them is seen (and possibly hoisted) now
                     self._take_queued(client)
-                    if len(self._backlog) >= BACKLOG_MAX:
+                    if not self._has_room():
                         self._room.clear()
                         await self._room.wait()
             except aiomqtt.MqttError as exc:
@@ -329,6 +338,7 @@ class Ingest:
     def _take(self, client: aiomqtt.Client, message: aiomqtt.Message) -> None:
         entry = _Entry(message, self._acker(client, message))
         self._backlog.append(entry)
+        self._backlog_bytes += entry.size
         payload = message.payload
         if isinstance(payload, bytes) and (_MATCH in payload or _ESCAPE in payload):
             job = _topic_job(message.topic.value)

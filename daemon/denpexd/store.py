@@ -466,7 +466,8 @@ FULL_RETRY_S = (0.5, 1.0, 2.0, 5.0)  # waits between tries while the disk is ful
 class EventWriter:
     """Batches event rows into one transaction per flush, then runs the deliveries' acks.
 
-    `add()` waits while more than `max_rows` rows are buffered (back-pressure towards ingest).
+    `add()` waits while more than `max_rows` rows, or `max_bytes` of them, are buffered
+    (back-pressure towards ingest).
     While the disk is full nothing is acknowledged: the same rows are tried again until they are
     written (`on_full(True)` / `on_full(False)` say when that starts and ends). Rows that cannot
     be written for any other reason go to `on_failed(rows, job, error)` one delivery at a time
@@ -478,6 +479,7 @@ class EventWriter:
         store: Store,
         *,
         max_rows: int = 50_000,
+        max_bytes: int = 64 << 20,
         commit_rows: int = 1_000,
         on_wait: Callable[[], None] | None = None,
         on_full: Callable[[bool], None] | None = None,
@@ -485,7 +487,9 @@ class EventWriter:
     ) -> None:
         self.store = store
         self.max_rows = max_rows
+        self.max_bytes = max_bytes
         self.commit_rows = commit_rows
+        self._bytes = 0  # of the rows' documents in `_adds`
         self._on_wait = on_wait
         self._on_full = on_full
         self._on_failed = on_failed
@@ -501,13 +505,14 @@ class EventWriter:
     async def add(
         self, rows: list[EventRow], job: str, first: float, last: float, ack: Callable[[], None]
     ) -> None:
-        while self._buffered >= self.max_rows:
+        while self._buffered >= self.max_rows or self._bytes >= self.max_bytes:
             if self._on_wait is not None:
                 self._on_wait()
             self._room.clear()
             await self._room.wait()
         self._adds.append((rows, job, first, last, ack))
         self._buffered += len(rows)
+        self._bytes += sum(len(r[7]) for r in rows)
         self._idle.clear()
         self._wake.set()
 
@@ -530,7 +535,8 @@ class EventWriter:
                     jobs[job] = (min(first, prev[0]), max(last, prev[1])) if prev else (first, last)
                     group.append(entry)
                 self._buffered -= len(rows)
-                if self._buffered < self.max_rows:
+                self._bytes -= sum(len(r[7]) for r in rows)
+                if self._buffered < self.max_rows and self._bytes < self.max_bytes:
                     self._room.set()
                 try:
                     self.written += await self._write(rows, jobs)

@@ -134,3 +134,37 @@ def test_state_is_bounded_by_ranks_and_rules_not_by_events(unit_rules: RuleSet) 
     assert all(len(t.samples) <= 1024 for t in e.tracks.values())
     d = e.diagnose()
     assert sum(c["count"] for c in d["collateral"]) + 0 >= 15000
+
+
+def test_a_flood_of_distinct_collateral_is_bounded_and_cannot_push_a_cause_out(
+    unit_rules: RuleSet, monkeypatch: Any
+) -> None:
+    """Past the job's bounds new collateral aggregates are counted, not kept; a cause that comes
+    after the flood is still kept and named; the diagnosis lists the best candidates only."""
+    import denpexd.engine as engine_module
+
+    monkeypatch.setattr(engine_module, "MAX_OTHER_AGGREGATES", 50)
+    monkeypatch.setattr(engine_module, "MAX_TRACKS", 60)
+    e = Engine("j", unit_rules)
+    for r in range(200):
+        flood = ev("node1", r, T0 + 10 + r * 1e-3, "gloo-closed", unit_rules)
+        flood.context = ["x" * 200] * 10
+        e.add(flood)
+    e.add(ev("node2", 999, T0 + 9.0, "cuda-oom", unit_rules))
+    d = e.diagnose()
+    assert len(e.aggs) == 51  # 50 collateral + the cause
+    assert all(not a.first.context for k, a in e.aggs.items() if k[2] == "gloo-closed")  # no context kept
+    assert d["initiator"]["rank"] == 999 and d["initiator"]["rule"] == "cuda-oom"
+    assert d["overflow"]["events_not_kept"] == 150 and d["overflow"]["by_rule"] == {"gloo-closed": 150}
+    assert len(e.tracks) == 60 and d["overflow"]["events_of_ranks_not_followed"] == 141
+
+
+def test_ties_among_thousands_of_silent_ranks_list_the_first_candidates_only(unit_rules: RuleSet) -> None:
+    e = Engine("j", unit_rules)
+    for r in range(300):
+        e.add(ev("node1", r, T0 + 1.0, None, unit_rules, step=5))
+    e.add(ev("node1", 0, T0 + 20, "gloo-closed", unit_rules))
+    d = e.diagnose()
+    assert d["initiator"]["kind"] == "hang"
+    assert len(d["candidates"]) == 64 and d["candidates_total"] == 299
+    assert abs(d["candidates"][0]["confidence"] - round(1 / 299, 3)) < 1e-9
