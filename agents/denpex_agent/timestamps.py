@@ -15,7 +15,9 @@ file of one node is read the same way, so a consistent reading is what counts.
 
 from __future__ import annotations
 
+import math
 import re
+import time
 from datetime import UTC, datetime, timedelta, timezone
 
 HEAD_CHARS = 96
@@ -107,9 +109,17 @@ def _parse(line: str, default_year: int, ref_epoch: float | None) -> float | Non
 
 
 def format_iso(epoch: float) -> str:
-    """ISO-8601 UTC with milliseconds, e.g. ``2026-11-29T12:00:01.123Z``."""
-    dt = datetime.fromtimestamp(epoch, tz=UTC)
-    return dt.strftime("%Y-%m-%dT%H:%M:%S.") + f"{dt.microsecond // 1000:03d}Z"
+    """ISO-8601 UTC with milliseconds, e.g. ``2026-11-29T12:00:01.123Z`` (microseconds rounded
+    as `datetime.fromtimestamp` rounds them, then cut to milliseconds)."""
+    whole = math.floor(epoch)
+    micros = round((epoch - whole) * 1e6)
+    if micros >= 1_000_000:
+        whole, micros = whole + 1, micros - 1_000_000
+    t = time.gmtime(whole)
+    return (
+        f"{t.tm_year:04d}-{t.tm_mon:02d}-{t.tm_mday:02d}T{t.tm_hour:02d}:{t.tm_min:02d}:{t.tm_sec:02d}."
+        f"{micros // 1000:03d}Z"
+    )
 
 
 def parse_iso(text: str) -> float | None:

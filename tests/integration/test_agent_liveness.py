@@ -126,3 +126,46 @@ def test_diagnose_finishes_on_the_same_file_and_names_the_timeouts(tmp_path: Pat
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-2000:]
     assert "rule badly-written-rule: a pattern timed out on" in out.stdout
+
+
+@pytest.mark.asyncio
+async def test_a_stop_that_cannot_finish_still_ends_within_its_bound(tmp_path: Path) -> None:
+    """A checkpoint write that never completes (here a FIFO nobody reads where the checkpoint's
+    temporary file goes, as a hung network mount would behave) holds up the stop; the agent still
+    exits, with rc 1, within `shutdown_timeout` plus its margin, and says why with every
+    thread's stack."""
+    import os
+
+    from denpex_agent.checkpoint import FILENAME
+    from denpex_agent.cli import STOP_MARGIN_S
+
+    state = tmp_path / "state"
+    state.mkdir()
+    os.mkfifo(state / Path(FILENAME).with_suffix(".tmp"))
+    log = tmp_path / "logs" / "rank0.log"
+    log.parent.mkdir()
+    log.write_text("2026-11-29 10:00:00,000 INFO [rank0] step 1 | loss 1.0\n")
+    job = unique_job("stall")
+    cmd = agent_cmd(
+        job, "node1", [str(tmp_path / "logs" / "*.log")], state,
+        "--shutdown-timeout", "1", "--checkpoint-interval", "0.2",
+    )  # fmt: skip
+    agent_log = tmp_path / "agent.log"
+    async with collector(job) as got:
+        proc = start_agent(cmd, agent_log)
+        try:
+            await eventually(lambda: any(e.kind == "heartbeat" for e in got.events()), within=20)
+            await asyncio.sleep(1.0)  # a periodic checkpoint write is stuck by now
+            t0 = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            rc = await asyncio.to_thread(proc.wait, 20)
+            took = time.monotonic() - t0
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    text = agent_log.read_text(errors="replace")
+    assert rc == 1, text[-3000:]
+    assert took < 1 + STOP_MARGIN_S + 1.5, f"stopped after {took:.1f} s"
+    assert "stop overran its bound" in text
+    assert "checkpoint.py" in text, "the stacks name where the stop was held up"

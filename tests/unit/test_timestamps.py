@@ -86,3 +86,21 @@ def test_format_iso_round_trip() -> None:
     ts = datetime(2026, 11, 29, 12, 0, 1, 123000, tzinfo=UTC).timestamp()
     assert format_iso(ts) == "2026-11-29T12:00:01.123Z"
     assert parse_timestamp(format_iso(ts), 2000) == ts
+
+
+def test_format_iso_agrees_with_datetime_everywhere_in_the_window() -> None:
+    """The hand-rolled formatter (hot in every diagnosis) rounds as `datetime` does, carries into
+    the next second, and formats every date of the accepted window alike."""
+    import random
+    from datetime import UTC, datetime
+
+    def reference(epoch: float) -> str:
+        dt = datetime.fromtimestamp(epoch, tz=UTC)
+        return dt.strftime("%Y-%m-%dT%H:%M:%S.") + f"{dt.microsecond // 1000:03d}Z"
+
+    rng = random.Random(7)
+    samples = [rng.uniform(946684800, 4102444800) for _ in range(20000)]
+    samples += [round(rng.uniform(1.7e9, 1.8e9), rng.randrange(0, 7)) for _ in range(20000)]
+    samples += [1764417600.9999996, 1764417600.9995, 1764417599.0000004, 951782400.0]
+    for epoch in samples:
+        assert format_iso(epoch) == reference(epoch), epoch
