@@ -51,6 +51,17 @@ from denpex_agent.events import Event
 PUBLISHERS = 16
 
 
+TOPIC_MODE = {"mode": "sender"}  # --topic: sender (agents now; the daemon sends receipts) or first-revision
+
+
+def _topic(job: str, node: str) -> str:
+    """Where node's agent publishes: its own sender topic (receipts follow) or the first
+    revision's topic (no receipts), to measure what receipts cost."""
+    if TOPIC_MODE["mode"] == "first-revision":
+        return wire.events_topic(job)
+    return wire.sender_topic(job, f"{node}-agent", node, "events")
+
+
 def mosquitto_conf(port: int) -> str:
     """The private broker's configuration (see bench/README.md for what each setting is for)."""
     return "\n".join(
@@ -181,7 +192,7 @@ class Fleet:
             for ni in range(pub, len(self.nodes), PUBLISHERS):
                 node = self.nodes[ni]
                 evs = [progress(job, node, r, lr, s, t0 + s * 0.5) for s in steps for r, lr in self.ranks(ni)]
-                await c.publish(wire.events_topic(job), wire.encode_batch(f"{node}-agent", job, node, 1,
+                await c.publish(_topic(job, node), wire.encode_batch(f"{node}-agent", job, node, 1,
                                                                           time.time(), evs), qos=1)  # fmt: skip
                 sent += len(evs)
 
@@ -190,6 +201,7 @@ class Fleet:
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
+    TOPIC_MODE["mode"] = args.topic
     if args.broker:
         host, _, port = args.broker.removeprefix("mqtt://").rpartition(":")
         return await run_with(args, (host, int(port)))
@@ -264,7 +276,7 @@ async def run_with(args: argparse.Namespace, broker: tuple[str, int]) -> dict[st
                     first = match(job, node, rank, lr, "cuda-oom", "root-cause", "out-of-memory", t_fail)
                     t_pub = time.perf_counter()
                     await fleet.clients[ni % PUBLISHERS].publish(
-                        wire.events_topic(job), wire.encode_batch(f"{node}-agent", job, node, 2, time.time(), [first]),
+                        _topic(job, node), wire.encode_batch(f"{node}-agent", job, node, 2, time.time(), [first]),
                         qos=1,
                     )  # fmt: skip
                     got_diag = got_alert = None
@@ -276,7 +288,7 @@ async def run_with(args: argparse.Namespace, broker: tuple[str, int]) -> dict[st
                                 n = fleet.nodes[nj]
                                 evs = [match(job, n, r, lr, "nccl-remote-error", "collateral", "communication",
                                              t_fail + 0.5) for r, lr in fleet.ranks(nj) if r != rank]  # fmt: skip
-                                await fleet.clients[p].publish(wire.events_topic(job), wire.encode_batch(
+                                await fleet.clients[p].publish(_topic(job, n), wire.encode_batch(
                                     f"{n}-agent", job, n, 3, time.time(), evs), qos=1)  # fmt: skip
 
                     cascade = asyncio.create_task(collateral())
@@ -338,6 +350,13 @@ def main() -> None:
         "everything published so far (offers more than the daemon absorbs once alerts are fast)",
     )
     p.add_argument("--profile", help="run the daemon under cProfile and write its stats here")
+    p.add_argument(
+        "--topic",
+        choices=("sender", "first-revision"),
+        default="sender",
+        help="publish on the agents' sender topics (the daemon answers every batch with a receipt; "
+        "default) or on the first revision's topic (no receipts), to measure what receipts cost",
+    )
     result = asyncio.run(run(p.parse_args()))
     print(orjson.dumps(result, option=orjson.OPT_INDENT_2).decode())
 

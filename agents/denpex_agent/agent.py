@@ -60,6 +60,17 @@ class _Item:
     behind: int = 0  # bytes the reader had still to read after this poll
 
 
+@dataclass(slots=True)
+class _Sent:
+    """Batches the broker acknowledged and the daemon has yet to confirm: their payloads (to send
+    again if no receipt comes), and the marks and bytes they release once all are confirmed."""
+
+    parts: dict[tuple[int, float], bytes]  # (seq, sent_at) -> payload, the unconfirmed ones
+    marks: list[Mark]
+    size: int
+    sent: float  # monotonic time of the last (re)send
+
+
 def _split(events: list[Event], max_bytes: int) -> list[list[Event]]:
     """Consecutive slices of ``events``, each within ``max_bytes`` (a single event may exceed it)."""
     parts: list[list[Event]] = []
@@ -133,6 +144,14 @@ class Agent:
         self._slow_reported = False
         self._views: list[_FileView] = []
         self._seq = 0
+        # End-to-end delivery: once the daemon says (in its clock replies) that it sends receipts,
+        # a batch's marks are checkpointed when the daemon confirms storing it, not at PUBACK.
+        self._receipts = False
+        self._unconfirmed: deque[_Sent] = deque()  # in send order
+        self._awaiting: dict[tuple[int, float], _Sent] = {}
+        self._early: set[tuple[int, float]] = set()  # receipts that overtook their PUBACK
+        self._all_confirmed = asyncio.Event()
+        self._all_confirmed.set()
         self._clock: deque[tuple[float, float]] = deque(maxlen=CLOCK_SAMPLES)
         self._pending_clock: dict[float, float] = {}
         self._reported: dict[str, int] = {}
@@ -174,7 +193,7 @@ class Agent:
         for w in await asyncio.to_thread(self.checkpoints.load):
             log.warning("%s", w)
         self._loop = asyncio.get_running_loop()
-        async with Publisher(self.cfg, self._on_clock_reply) as pub:
+        async with Publisher(self.cfg, self._on_clock_reply, self._on_receipt) as pub:
             self._reader = threading.Thread(target=self._read_thread, name="denpex-read", daemon=True)
             reader_done = False
             try:
@@ -182,10 +201,12 @@ class Agent:
                     send = tg.create_task(self._send_loop(pub), name="send")
                     watch = tg.create_task(self._watch_loop(), name="watch")
                     clock = tg.create_task(self._clock_loop(pub), name="clock")
+                    resend = tg.create_task(self._resend_loop(pub), name="resend")
                     self._reader.start()
                     await self._stop.wait()
                     reader_done = await self._join_reader(self.cfg.shutdown_timeout / 2)
                     self._queue.put_nowait(None)
+                    until = time.monotonic() + self.cfg.shutdown_timeout / 2
                     try:
                         await asyncio.wait_for(asyncio.shield(send), self.cfg.shutdown_timeout / 2)
                     except TimeoutError:
@@ -194,8 +215,17 @@ class Agent:
                             self._queue.qsize(),
                         )
                         send.cancel()
+                    with contextlib.suppress(TimeoutError):  # the last receipts
+                        await asyncio.wait_for(self._all_confirmed.wait(), max(0.0, until - time.monotonic()))
+                    if self._unconfirmed:
+                        log.info(
+                            "shutdown: batches not confirmed by the daemon yet; their lines are read "
+                            "again at the next start batches=%d",
+                            sum(len(g.parts) for g in self._unconfirmed),
+                        )
                     watch.cancel()
                     clock.cancel()
+                    resend.cancel()
             finally:
                 await self._save_checkpoints()
                 if reader_done or not self._reader.is_alive():
@@ -392,7 +422,7 @@ class Agent:
 
     async def _send_loop(self, pub: Publisher) -> None:
         cfg = self.cfg
-        topic = wire.events_topic(cfg.job)
+        topic = wire.agent_topics(cfg.job, cfg.agent, cfg.node, cfg.topic_style)["events"]
         last_save = time.monotonic()
         done = False
         while not done:
@@ -417,11 +447,14 @@ class Agent:
                     break
                 await asyncio.sleep(remaining)
             events = [e for i in items for e in i.events]
+            sent: dict[tuple[int, float], bytes] = {}
             for part in _split(events, cfg.batch_max_bytes):
                 self._seq += 1
+                sent_at = time.time()
                 payload = wire.encode_batch(
-                    cfg.agent, cfg.job, cfg.node, self._seq, time.time(), part, behind=items[-1].behind
+                    cfg.agent, cfg.job, cfg.node, self._seq, sent_at, part, behind=items[-1].behind
                 )
+                sent[(self._seq, sent_at)] = payload
                 self.metrics.connected.set(1 if pub.connected else 0)
                 await pub.publish(topic, payload)
                 self.metrics.connected.set(1)
@@ -430,17 +463,115 @@ class Agent:
                 for ev in part:
                     self.metrics.events.labels(kind=ev.kind).inc()
                 self.published_events += len(part)
-            for i in items:
-                for mk in i.marks:
-                    self.checkpoints.advance(mk.identity, mk.path, mk.offset, mk.line_no, mk.sampling)
-            with self._lock:
-                self._inflight -= size
-                if self._inflight < cfg.max_inflight_bytes:
-                    self._space.set()
-                self.metrics.checkpoint_lag.set(self._inflight)
+            marks = [mk for i in items for mk in i.marks]
+            if self._receipts:
+                group = _Sent(sent, marks, size, time.monotonic())
+                self._unconfirmed.append(group)
+                for key in sent:
+                    if key in self._early:
+                        self._early.discard(key)
+                        del group.parts[key]
+                    else:
+                        self._awaiting[key] = group
+                self._settle()
+            else:
+                self._confirm(marks, size)
             if time.monotonic() - last_save >= cfg.checkpoint_interval:
                 await self._save_checkpoints()
                 last_save = time.monotonic()
+
+    def _confirm(self, marks: list[Mark], size: int) -> None:
+        """What is before ``marks`` is safe: checkpoint it and release its bytes."""
+        for mk in marks:
+            self.checkpoints.advance(mk.identity, mk.path, mk.offset, mk.line_no, mk.sampling)
+        with self._lock:
+            self._inflight -= size
+            if self._inflight < self.cfg.max_inflight_bytes:
+                self._space.set()
+            self.metrics.checkpoint_lag.set(self._inflight)
+
+    def _settle(self) -> None:
+        """Confirm, in send order, every group at the head whose batches all have receipts."""
+        q = self._unconfirmed
+        while q and not q[0].parts:
+            group = q.popleft()
+            self._confirm(group.marks, group.size)
+        self.metrics.unconfirmed.set(sum(len(g.parts) for g in q))
+        if q:
+            self._all_confirmed.clear()
+        else:
+            self._all_confirmed.set()
+
+    def _on_receipt(self, payload: bytes) -> None:
+        try:
+            receipt = wire.decode_receipt(payload)
+        except wire.WireError as exc:
+            log.warning("ignoring a malformed receipt error=%s", exc)
+            return
+        if receipt.job != self.cfg.job:
+            return
+        key = (receipt.seq, receipt.sent_at)
+        if receipt.refused is not None:
+            self.metrics.refused.inc()
+            log.warning(
+                "the daemon refused a batch for good; it is not sent again seq=%d reason=%s",
+                receipt.seq,
+                receipt.refused,
+            )
+        group = self._awaiting.pop(key, None)
+        if group is None:
+            if self._receipts and len(self._early) < 4096:
+                self._early.add(key)  # its PUBACK is still on its way (or it is a late duplicate)
+            return
+        group.parts.pop(key, None)
+        self._settle()
+
+    def _receipts_said(self, supported: bool) -> None:
+        """The daemon's clock reply says whether it sends receipts."""
+        if supported == self._receipts:
+            return
+        self._receipts = supported
+        if supported:
+            log.info("the daemon confirms what it stores; read positions now follow its receipts")
+            return
+        log.warning(
+            "the daemon no longer sends receipts; read positions follow the broker's acknowledgements"
+        )
+        for group in self._unconfirmed:
+            group.parts.clear()
+        self._awaiting.clear()
+        self._early.clear()
+        self._settle()
+
+    async def _resend_loop(self, pub: Publisher) -> None:
+        """Send again what the daemon has not confirmed within ``receipt_timeout`` (it drops the
+        events it already has, by id, and confirms again)."""
+        cfg = self.cfg
+        topic = wire.agent_topics(cfg.job, cfg.agent, cfg.node, cfg.topic_style)["events"]
+        said_at = -1e18
+        while True:
+            await asyncio.sleep(min(1.0, cfg.receipt_timeout / 2))
+            if not pub.connected:
+                continue
+            now = time.monotonic()
+            late = [g for g in list(self._unconfirmed) if g.parts and now - g.sent >= cfg.receipt_timeout]
+            if not late:
+                continue
+            n = sum(len(g.parts) for g in late)
+            # said once a minute at most; every round is counted (denpex_agent_batches_resent_total)
+            level = logging.WARNING if now - said_at >= 60.0 else logging.DEBUG
+            said_at = now if level == logging.WARNING else said_at
+            log.log(
+                level,
+                "no receipt from the daemon in time; sending batches again batches=%d timeout_s=%.1f",
+                n,
+                cfg.receipt_timeout,
+            )
+            for group in late:
+                group.sent = time.monotonic()
+                for payload in list(group.parts.values()):
+                    await pub.publish(topic, payload)
+                    self.metrics.resent.inc()
 
     async def _save_checkpoints(self) -> None:
         data = self.checkpoints.snapshot()
@@ -450,7 +581,7 @@ class Agent:
     # -- clock ----------------------------------------------------------------------------------
 
     async def _clock_loop(self, pub: Publisher) -> None:
-        topic = wire.clock_request_topic(self.cfg.job, self.cfg.agent)
+        topic = wire.agent_topics(self.cfg.job, self.cfg.agent, self.cfg.node, self.cfg.topic_style)["clock"]
         quick = 3
         while True:
             if await pub.wait_connected(self.cfg.clock_interval):
@@ -468,9 +599,11 @@ class Agent:
     def _on_clock_reply(self, payload: bytes, t3: float) -> None:
         try:
             t0, t1, t2 = wire.decode_clock_reply(payload)
+            receipts = wire.clock_reply_receipts(payload)
         except wire.WireError as exc:
             log.warning("ignoring a malformed clock reply error=%s", exc)
             return
+        self._receipts_said(receipts)
         if self._pending_clock.pop(t0, None) is None:
             return  # not ours, or a late duplicate
         offset, delay = wire.clock_sample(t0, t1, t2, t3)

@@ -33,7 +33,7 @@ log = logging.getLogger("denpex_agent")
 STOP_MARGIN_S = 3.0
 
 _HELP = {
-    "job": "job id (required): events go to denpex/v1/jobs/<job>/events",
+    "job": "job id (required): events go to denpex/v1/jobs/<job>/from/<agent>[/<node>]/events",
     "node": "node name (default: the host name)",
     "logs": "glob of rank log files; repeatable; '**' recurses (required)",
     "agent_id": "agent id on the wire (default: the node name)",
@@ -52,6 +52,16 @@ _HELP = {
     "fold_timeout": "seconds a multi-line record (a traceback without its exception line yet, "
     "torchrun's summary) or an unfinished last line waits for its end before it is taken as it "
     "is (default: 5)",
+    "username": "broker user name (default, when a password is set: the agent's principal, its "
+    "agent id followed by /NODE when the two differ, which is what the brokers' ACLs expect)",
+    "password": "broker password; prefer DENPEX_PASSWORD (a flag shows in ps). For denpexd's embedded "
+    "broker, `denpexd credential --agent ID` prints it",
+    "topic_style": "sender (default): every topic names this agent, so a broker can hold it to its "
+    "own; job: one events topic per job, for daemon replicas behind a broker's shared "
+    "subscription that hashes topics to replicas (EMQX hash_topic, deploy/broker/emqx.conf)",
+    "receipt_timeout": "seconds to wait for the daemon's receipt of a batch (a daemon that says it "
+    "sends them) before sending the batch again; read positions are checkpointed only once the "
+    "daemon has confirmed storing what is before them (default: 10)",
     "slow_scan_warning": "a scan of new bytes that runs longer than this many seconds is logged and "
     "counted (denpex_agent_slow_scans_total); heartbeats go on meanwhile (default: 2)",
 }

@@ -74,6 +74,7 @@ class AgentConfig:
     cert_file: str | None = None
     key_file: str | None = None
     mqtt_version: str = "auto"  # auto | 5 | 3.1.1
+    topic_style: str = "sender"  # sender: topics name the agent | job: one topic per job (replicas)
     state_dir: str = "./denpex-agent-state"
     rules: str | None = None
     layout: str | None = None
@@ -88,6 +89,7 @@ class AgentConfig:
     context_lines: int = 100
     read_chunk: int = 1 << 20
     max_inflight_bytes: int = 8 << 20
+    receipt_timeout: float = 10.0
     progress_interval: float = 0.25
     fold_timeout: float = 5.0
     slow_scan_warning: float = 2.0
@@ -116,6 +118,7 @@ _FIELD_TYPES: dict[str, type] = {
     "cert_file": str,
     "key_file": str,
     "mqtt_version": str,
+    "topic_style": str,
     "state_dir": str,
     "rules": str,
     "layout": str,
@@ -130,6 +133,7 @@ _FIELD_TYPES: dict[str, type] = {
     "context_lines": int,
     "read_chunk": int,
     "max_inflight_bytes": int,
+    "receipt_timeout": float,
     "progress_interval": float,
     "fold_timeout": float,
     "slow_scan_warning": float,
@@ -217,6 +221,8 @@ def validate(values: Mapping[str, Any]) -> AgentConfig:
     url = parse_broker_url(cfg.broker)
     if cfg.mqtt_version not in ("auto", "5", "3.1.1"):
         raise ConfigError("mqtt_version must be auto, 5 or 3.1.1")
+    if cfg.topic_style not in ("sender", "job"):
+        raise ConfigError("topic_style must be sender or job")
     for key in ("ca_file", "cert_file", "key_file"):
         path = getattr(cfg, key)
         if path and not Path(path).is_file():
@@ -228,7 +234,7 @@ def validate(values: Mapping[str, Any]) -> AgentConfig:
     positive = (
         "batch_max_bytes", "poll_interval", "discover_interval", "heartbeat_interval",
         "clock_interval", "checkpoint_interval", "max_line_bytes", "read_chunk", "max_inflight_bytes",
-        "shutdown_timeout", "progress_interval", "fold_timeout", "slow_scan_warning",
+        "shutdown_timeout", "progress_interval", "fold_timeout", "slow_scan_warning", "receipt_timeout",
     )  # fmt: skip
     for key in positive:
         if getattr(cfg, key) <= 0:

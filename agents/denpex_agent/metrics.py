@@ -44,6 +44,21 @@ class AgentMetrics:
         self.connected = Gauge(
             "denpex_agent_broker_connected", "1 while connected to the broker", registry=registry
         )
+        self.unconfirmed = Gauge(
+            "denpex_agent_unconfirmed_batches",
+            "Batches the broker acknowledged and the daemon has not confirmed storing yet",
+            registry=registry,
+        )
+        self.resent = Counter(
+            "denpex_agent_batches_resent_total",
+            "Batches sent again because no receipt came within receipt_timeout",
+            registry=registry,
+        )
+        self.refused = Counter(
+            "denpex_agent_batches_refused_total",
+            "Batches the daemon refused for good (its receipt said why; logged)",
+            registry=registry,
+        )
         self.clock_offset = Gauge(
             "denpex_agent_clock_offset_seconds",
             "Daemon clock minus agent clock (best recent sample)",

@@ -98,11 +98,16 @@ class Publisher:
     """``async with Publisher(cfg, on_clock_reply) as pub: await pub.publish(topic, payload)``."""
 
     def __init__(
-        self, cfg: AgentConfig, on_clock_reply: Callable[[bytes, float], None] | None = None
+        self,
+        cfg: AgentConfig,
+        on_clock_reply: Callable[[bytes, float], None] | None = None,
+        on_receipt: Callable[[bytes], None] | None = None,
     ) -> None:
         self.cfg = cfg
         self.url = cfg.broker_url
         self.on_clock_reply = on_clock_reply
+        self.on_receipt = on_receipt
+        self.topics = wire.agent_topics(cfg.job, cfg.agent, cfg.node, cfg.topic_style)
         self._client: aiomqtt.Client | None = None
         self._connected = asyncio.Event()
         self._stopping = False
@@ -127,6 +132,15 @@ class Publisher:
     def _auto_unsettled(self) -> bool:
         """The MQTT version is still to be found: ``auto`` and no connection succeeded yet."""
         return self.cfg.mqtt_version == "auto" and not self._settled
+
+    @property
+    def _username(self) -> str | None:
+        """The broker user name: as configured, else (with a password) the agent's principal,
+        which is what the brokers' ACLs pin its topics to."""
+        cfg, url = self.cfg, self.url
+        if cfg.username or url.username:
+            return cfg.username or url.username
+        return wire.principal(cfg.agent, cfg.node) if (cfg.password or url.password) else None
 
     async def __aenter__(self) -> Publisher:
         def stray(context: dict[str, Any]) -> bool:
@@ -155,7 +169,7 @@ class Publisher:
         if announce and client is not None and self.connected:
             with contextlib.suppress(aiomqtt.MqttError, TimeoutError):
                 await client.publish(
-                    wire.status_topic(self.cfg.job, self.cfg.agent),
+                    self.topics["status"],
                     wire.encode_status(self.cfg.agent, self.cfg.node, "offline", time.time()),
                     qos=1,
                     retain=True,
@@ -179,16 +193,18 @@ class Publisher:
             if cfg.cert_file and cfg.key_file:
                 tls_context.load_cert_chain(cfg.cert_file, cfg.key_file)
         last_will = aiomqtt.Will(
-            topic=wire.status_topic(cfg.job, cfg.agent),
+            topic=self.topics["status"],
             payload=wire.encode_status(cfg.agent, cfg.node, "offline", 0.0),
             qos=1,
             retain=True,
         )
+        password = cfg.password or url.password
+        username = self._username
         return _LoopClient(
             url.host,
             url.port,
-            username=cfg.username or url.username,
-            password=cfg.password or url.password,
+            username=username,
+            password=password,
             identifier=f"denpex-agent-{cfg.agent}",
             protocol=protocol,
             will=last_will if will else None,
@@ -232,9 +248,10 @@ class Publisher:
                     self._settled = True
                     self.connects += 1
                     delay = BACKOFF_MIN_S
-                    await client.subscribe(wire.clock_reply_topic(self.cfg.agent), qos=1)
+                    await client.subscribe(self.topics["clock_reply"], qos=1)
+                    await client.subscribe(self.topics["receipt"], qos=1)
                     await client.publish(
-                        wire.status_topic(self.cfg.job, self.cfg.agent),
+                        self.topics["status"],
                         wire.encode_status(self.cfg.agent, self.cfg.node, "online", time.time()),
                         qos=1,
                         retain=True,
@@ -277,6 +294,19 @@ class Publisher:
                     self._protocol = nxt
                     if nxt == aiomqtt.ProtocolVersion.V311:
                         continue
+                elif _refused_credentials(exc):
+                    delay = BACKOFF_MAX_S
+                    log.error(
+                        "the broker refused this agent's credentials; retrying broker=%s user=%s "
+                        "error=%s delay_s=%.2f (set DENPEX_PASSWORD, and DENPEX_USERNAME if it is not "
+                        "the agent's principal %s; with denpexd's embedded broker `denpexd credential "
+                        "--agent ID [--node NODE]` prints both)",
+                        self.url.redacted(),
+                        self._username or "-",
+                        exc,
+                        delay,
+                        wire.principal(self.cfg.agent, self.cfg.node),
+                    )
                 else:
                     log.warning(
                         "broker connection lost; reconnecting broker=%s error=%s delay_s=%.2f",
@@ -293,15 +323,21 @@ class Publisher:
             delay = min(delay * 2, BACKOFF_MAX_S)
 
     async def _messages(self, client: aiomqtt.Client) -> None:
-        reply_topic = wire.clock_reply_topic(self.cfg.agent)
+        reply_topic, receipts = self.topics["clock_reply"], self.topics["receipt"]
         async for message in client.messages:
-            # only our clock replies: a broker may deliver retained messages of other topics too
-            # (the embedded amqtt broker does), they are not ours to parse
-            if not message.topic.matches(reply_topic):
-                self.foreign_messages += 1
+            # only our clock replies and receipts: a broker may deliver retained messages of other
+            # topics too (the embedded amqtt broker does), they are not ours to parse
+            payload = message.payload
+            if not isinstance(payload, bytes):
                 continue
-            if self.on_clock_reply is not None and isinstance(message.payload, bytes):
-                self.on_clock_reply(message.payload, time.time())
+            if message.topic.matches(reply_topic):
+                if self.on_clock_reply is not None:
+                    self.on_clock_reply(payload, time.time())
+            elif message.topic.matches(receipts):
+                if self.on_receipt is not None:
+                    self.on_receipt(payload)
+            else:
+                self.foreign_messages += 1
 
     async def wait_connected(self, seconds: float | None = None) -> bool:
         try:
@@ -334,3 +370,14 @@ class Publisher:
             return
         with contextlib.suppress(aiomqtt.MqttError, TimeoutError):
             await client.publish(topic, payload, qos=0, timeout=2.0)
+
+
+# CONNACK codes of a refused login: 3.1.1 "bad user name or password" and "not authorized", v5
+# "bad user name or password" and "not authorized"
+_REFUSED_LOGIN = frozenset({4, 5, 134, 135})
+
+
+def _refused_credentials(exc: aiomqtt.MqttError) -> bool:
+    rc = getattr(exc, "rc", None)
+    value = getattr(rc, "value", rc)
+    return isinstance(value, int) and value in _REFUSED_LOGIN

@@ -26,8 +26,8 @@ MASK = "***"
 MIN_SECRET_CHARS = 4  # shorter ones would blank out ordinary words; URL passwords are masked anyway
 
 SECRET_FLAGS = ("--password", "--api-token")
-SECRET_ENV = ("DENPEX_PASSWORD", "DENPEX_API_TOKEN")
-SECRET_KEYS = frozenset({"password", "api_token"})
+SECRET_ENV = ("DENPEX_PASSWORD", "DENPEX_API_TOKEN", "DENPEX_AGENT_SECRET", "DENPEX_AGENT_PASSWORD")
+SECRET_KEYS = frozenset({"password", "api_token", "agent_secret", "agent_password"})
 
 _URL_PASSWORD = re.compile(r"(?P<pre>\b[a-zA-Z][a-zA-Z0-9+.-]*://[^/\s:@]*:)[^@\s/]+(?=@)")
 

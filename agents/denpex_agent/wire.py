@@ -69,21 +69,75 @@ def check_id(kind: str, value: object) -> str:
 # Topics ------------------------------------------------------------------------------------------
 
 
+def principal(agent: str, node: str) -> str:
+    """Who an agent is on the broker: its agent id, followed by ``/<node>`` when the two differ.
+    It is the agent's broker user name and a topic level (one or two) of everything it sends,
+    so a broker ACL pattern on the user name (Mosquitto's ``%u``) pins both to the topic, and the
+    daemon checks the payload against the topic."""
+    check_id("agent", agent)
+    return agent if agent == check_id("node", node) else f"{agent}/{node}"
+
+
+def parse_principal(value: str) -> tuple[str, str]:
+    """(agent, node) of a principal; `WireError` when it is not one."""
+    parts = value.split("/")
+    if len(parts) == 1:
+        return check_id("agent", parts[0]), parts[0]
+    if len(parts) == 2 and parts[0] != parts[1]:
+        return check_id("agent", parts[0]), check_id("node", parts[1])
+    raise WireError(f"invalid principal {value[:120]!r}: expected AGENT or AGENT/NODE (AGENT != NODE)")
+
+
+def sender_topic(job: str, agent: str, node: str, kind: str) -> str:
+    """Where an agent sends ``events``, ``clock`` requests and its retained ``status``:
+    ``denpex/v1/jobs/<job>/from/<agent>[/<node>]/<kind>``."""
+    assert kind in ("events", "clock", "status"), kind
+    return f"{PREFIX}/jobs/{check_id('job', job)}/from/{principal(agent, node)}/{kind}"
+
+
+def agent_topics(job: str, agent: str, node: str, style: str) -> dict[str, str]:
+    """The topics one agent uses, by name (events, clock, status, clock_reply, receipt):
+    ``sender`` style names the agent in each (brokers pin them to its credentials); ``job`` style
+    sends a job's events on one topic (the first revision's), which a broker's shared
+    subscription can hash to one daemon replica per job (deploy/broker/emqx.conf)."""
+    if style == "job":
+        return {
+            "events": events_topic(job),
+            "clock": clock_request_topic(job, agent),
+            "status": status_topic(job, agent),
+            "clock_reply": clock_reply_topic(agent),
+            "receipt": receipt_topic(agent, node),
+        }
+    return {
+        "events": sender_topic(job, agent, node, "events"),
+        "clock": sender_topic(job, agent, node, "clock"),
+        "status": sender_topic(job, agent, node, "status"),
+        "clock_reply": clock_reply_topic(agent, node),
+        "receipt": receipt_topic(agent, node),
+    }
+
+
 def events_topic(job: str) -> str:
+    """The topic of the first protocol revision (no sender in it); still accepted where the
+    broker lets agents publish there (see agents/README.md, "Topics")."""
     return f"{PREFIX}/jobs/{check_id('job', job)}/events"
 
 
 def status_topic(job: str, agent: str) -> str:
-    """Retained ``online`` on connect; the broker publishes the last will ``offline`` here."""
+    """First revision's status topic (still accepted); agents now use `sender_topic`."""
     return f"{PREFIX}/jobs/{check_id('job', job)}/agents/{check_id('agent', agent)}/status"
 
 
 def clock_request_topic(job: str, agent: str) -> str:
+    """First revision's clock request topic (still accepted); agents now use `sender_topic`."""
     return f"{PREFIX}/jobs/{check_id('job', job)}/clock/{check_id('agent', agent)}"
 
 
-def clock_reply_topic(agent: str) -> str:
-    return f"{PREFIX}/agents/{check_id('agent', agent)}/clock"
+def clock_reply_topic(agent: str, node: str | None = None) -> str:
+    """Where the daemon answers a clock request: ``denpex/v1/agents/<principal>/clock`` (the
+    agent id alone for a request on a first-revision topic)."""
+    who = check_id("agent", agent) if node is None else principal(agent, node)
+    return f"{PREFIX}/agents/{who}/clock"
 
 
 def diagnosis_topic(job: str) -> str:
@@ -98,21 +152,49 @@ SUBSCRIPTIONS = (
     f"{PREFIX}/jobs/+/events",
     f"{PREFIX}/jobs/+/clock/+",
     f"{PREFIX}/jobs/+/agents/+/status",
+    f"{PREFIX}/jobs/+/from/+/events",
+    f"{PREFIX}/jobs/+/from/+/+/events",
+    f"{PREFIX}/jobs/+/from/+/clock",
+    f"{PREFIX}/jobs/+/from/+/+/clock",
+    f"{PREFIX}/jobs/+/from/+/status",
+    f"{PREFIX}/jobs/+/from/+/+/status",
 )
 
 
-def parse_topic(topic: str) -> tuple[str, str, str | None]:
-    """(kind, job, agent) of an inbound topic; kind is events | clock | status."""
+@dataclass(frozen=True, slots=True)
+class Topic:
+    """An inbound topic: `kind` is events | clock | status; `agent` and `node` are what the topic
+    says of the sender (``None`` where a first-revision topic does not say)."""
+
+    kind: str
+    job: str
+    agent: str | None
+    node: str | None
+
+
+def parse_topic(topic: str) -> Topic:
     parts = topic.split("/")
-    if len(parts) >= 4 and parts[0] == "denpex" and parts[1] == "v1" and parts[2] == "jobs":
+    if len(parts) >= 5 and parts[0] == "denpex" and parts[1] == "v1" and parts[2] == "jobs":
         job = check_id("job", parts[3])
+        if parts[4] == "from" and len(parts) in (7, 8) and parts[-1] in ("events", "clock", "status"):
+            agent, node = parse_principal("/".join(parts[5:-1]))
+            return Topic(parts[-1], job, agent, node)
         if len(parts) == 5 and parts[4] == "events":
-            return "events", job, None
+            return Topic("events", job, None, None)
         if len(parts) == 6 and parts[4] == "clock":
-            return "clock", job, check_id("agent", parts[5])
+            return Topic("clock", job, check_id("agent", parts[5]), None)
         if len(parts) == 7 and parts[4] == "agents" and parts[6] == "status":
-            return "status", job, check_id("agent", parts[5])
+            return Topic("status", job, check_id("agent", parts[5]), None)
     raise WireError(f"unexpected topic {topic[:120]!r}")
+
+
+def check_sender(topic: Topic, agent: str, node: str) -> None:
+    """The payload's agent and node must be those the topic names (which the broker's ACL ties
+    to the sender's credentials)."""
+    if topic.agent is not None and agent != topic.agent:
+        raise WireError(f"invalid agent id {agent[:80]!r}: does not match the topic")
+    if topic.node is not None and node != topic.node:
+        raise WireError(f"invalid node id {node[:80]!r}: does not match the topic")
 
 
 # Batches -----------------------------------------------------------------------------------------
@@ -343,8 +425,48 @@ def decode_clock_request(payload: bytes) -> tuple[str, float]:
     return agent, float(t0)
 
 
-def encode_clock_reply(t0: float, t1: float, t2: float) -> bytes:
-    return orjson.dumps({"v": VERSION, "t0": t0, "t1": t1, "t2": t2})
+def encode_clock_reply(t0: float, t1: float, t2: float, receipts: bool = False) -> bytes:
+    """``receipts``: this daemon sends a receipt for every batch it has stored (`encode_receipt`)."""
+    doc: dict[str, Any] = {"v": VERSION, "t0": t0, "t1": t1, "t2": t2}
+    if receipts:
+        doc["receipts"] = 1
+    return orjson.dumps(doc)
+
+
+def clock_reply_receipts(payload: bytes) -> bool:
+    """Does the daemon that sent this (valid) clock reply send receipts?"""
+    return _small_object(payload).get("receipts") == 1
+
+
+def receipt_topic(agent: str, node: str) -> str:
+    """Where the daemon tells an agent that it has stored (or refused) one of its batches."""
+    return f"{PREFIX}/agents/{principal(agent, node)}/receipt"
+
+
+@dataclass(frozen=True, slots=True)
+class Receipt:
+    job: str
+    seq: int
+    sent_at: float
+    refused: str | None = None  # why the batch was refused for good (never to be sent again)
+
+
+def encode_receipt(job: str, seq: int, sent_at: float, refused: str | None = None) -> bytes:
+    doc: dict[str, Any] = {"v": VERSION, "job": job, "seq": seq, "sent_at": sent_at}
+    if refused is not None:
+        doc["refused"] = refused[:200]
+    return orjson.dumps(doc)
+
+
+def decode_receipt(payload: bytes) -> Receipt:
+    doc = _small_object(payload)
+    job, seq, sent_at, refused = doc.get("job"), doc.get("seq"), doc.get("sent_at"), doc.get("refused")
+    if not valid_id(job) or not isinstance(seq, int) or isinstance(seq, bool) or not _finite(sent_at):
+        raise WireError("a receipt needs job, seq (an integer) and sent_at (a number)")
+    if refused is not None and not isinstance(refused, str):
+        raise WireError("refused must be a string")
+    assert isinstance(job, str)
+    return Receipt(job, seq, float(sent_at), refused)
 
 
 def decode_clock_reply(payload: bytes) -> tuple[float, float, float]:

@@ -10,6 +10,7 @@ import asyncio
 import errno
 import logging
 import os
+import secrets
 import socket
 from collections.abc import Callable
 from types import TracebackType
@@ -18,6 +19,7 @@ from typing import Any, Self
 from amqtt.broker import Broker
 
 from denpex_agent.errors import divert_loop_errors
+from denpexd import brokeraccess
 from denpexd.config import split_listen
 from denpexd.errors import BrokerError
 
@@ -49,11 +51,21 @@ def _raised_in_amqtt(exc: BaseException) -> bool:
 class EmbeddedBroker:
     """`async with EmbeddedBroker("127.0.0.1:1883"):` runs a broker until the block exits."""
 
-    def __init__(self, listen: str, on_client_failure: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        listen: str,
+        on_client_failure: Callable[[], None] | None = None,
+        secret: str | None = None,
+        shared_password: str | None = None,
+    ) -> None:
         self.listen = listen
         self.host, self.port = split_listen(listen)
         self._broker: Any = None
         self._on_client_failure = on_client_failure
+        self.secret = secret
+        self.shared_password = shared_password
+        # the daemon's own ingest connects as `denpexd` with this (brokeraccess)
+        self.daemon_password = secrets.token_hex(24)
 
     async def __aenter__(self) -> Self:
         reason = _port_free(self.host, self.port)
@@ -65,9 +77,17 @@ class EmbeddedBroker:
             )
         for name in ("amqtt", "transitions"):
             logging.getLogger(name).setLevel(max(logging.WARNING, logging.getLogger(name).level))
+        access = {
+            "secret": self.secret,
+            "daemon_password": self.daemon_password,
+            "shared_password": self.shared_password,
+        }
         config = {
             "listeners": {"default": {"type": "tcp", "bind": f"{self.host}:{self.port}"}},
-            "plugins": {"amqtt.plugins.authentication.AnonymousAuthPlugin": {"allow_anonymous": True}},
+            "plugins": {
+                f"{brokeraccess.__name__}.Authenticate": access,
+                f"{brokeraccess.__name__}.Authorize": access,
+            },
         }
         broker = Broker(config)
         self._watch_client_failures()
@@ -76,7 +96,15 @@ class EmbeddedBroker:
         except Exception as exc:  # amqtt raises its own BrokerError wrapping OSError
             raise BrokerError(self.listen, f"embedded broker failed to start: {exc}") from exc
         self._broker = broker
-        log.info("embedded MQTT broker listening address=%s protocol=3.1.1", self.listen)
+        log.info(
+            "embedded MQTT broker listening address=%s protocol=3.1.1 access=%s",
+            self.listen,
+            "per-agent credentials"
+            if self.secret
+            else "one password for all agents"
+            if self.shared_password
+            else "local development (anyone on loopback)",
+        )
         return self
 
     def _watch_client_failures(self) -> None:

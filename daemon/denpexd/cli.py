@@ -27,6 +27,7 @@ and which of the other errors are only collateral.
   denpexd serve                        live correlator: embedded MQTT broker, HTTP API, /metrics
   denpexd query --job ID               the live diagnosis of a job from a running `serve`
   denpexd validate --config FILE       check a serve configuration and its rules
+  denpexd credential --agent ID        an agent's password for the embedded broker
 
 environment: `serve` and `validate` take DENPEX_<KEY> for each configuration key (DENPEX_BROKER,
 DENPEX_HTTP_LISTEN, ...) and DENPEX_CONFIG; DENPEX_SERVER is tolerated (it is `query`'s), any other
@@ -160,6 +161,22 @@ def build_parser() -> argparse.ArgumentParser:
     )
     v.add_argument("--config", metavar="FILE", help="TOML configuration file")
 
+    c = sub.add_parser(
+        "credential",
+        help="print the embedded broker's user name and password for an agent or a reader",
+        description="The embedded broker (serve without --broker) authenticates every client with a "
+        "password derived from the daemon's agent_secret (DENPEX_AGENT_SECRET or the --config "
+        "file) and the client's name: an agent's password is good for that agent on that node only, "
+        "and lets it publish its own events, clock requests and status and nothing else; a reader's "
+        "lets it read everything under denpex/v1 and publish nothing. Prints lines for the agent's "
+        "environment file (DENPEX_USERNAME=..., DENPEX_PASSWORD=...).",
+    )
+    c.add_argument("--config", metavar="FILE", help="serve's TOML configuration file (env DENPEX_CONFIG)")
+    who = c.add_mutually_exclusive_group(required=True)
+    who.add_argument("--agent", metavar="ID", help="the agent id (DENPEX_AGENT_ID; by default its node name)")
+    who.add_argument("--reader", metavar="NAME", help="a read-only subscriber (dashboards, chat bots)")
+    c.add_argument("--node", metavar="NODE", help="the agent's node, when it differs from the agent id")
+
     r = sub.add_parser("rules", help="inspect or self-test the signature library")
     rsub = r.add_subparsers(dest="rules_command", metavar="ACTION", parser_class=_Parser)
     for name, text in (("test", "run every example and counterexample"), ("list", "list the rules")):
@@ -226,4 +243,41 @@ def _dispatch(args: argparse.Namespace, redact: Redactor) -> int:
         from denpexd import diagnosecmd
 
         return diagnosecmd.run(args)
+    if args.command == "credential":
+        return _credential(args)
     return EXIT_USAGE
+
+
+def _credential(args: argparse.Namespace) -> int:
+    from denpex_agent import wire
+    from denpexd import brokeraccess
+    from denpexd.config import load_config
+    from denpexd.errors import DenpexdError
+
+    try:
+        cfg = load_config(args.config or os.environ.get("DENPEX_CONFIG") or None, env=os.environ, flags={})
+    except DenpexdError as exc:
+        print(f"denpexd credential: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    if cfg.agent_secret is None:
+        print(
+            "denpexd credential: no agent_secret configured (set DENPEX_AGENT_SECRET, or agent_secret "
+            "in the file given with --config, as for serve)",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
+    try:
+        if args.reader is not None:
+            if args.node is not None:
+                raise wire.WireError("--node is for agents")
+            name = wire.check_id("reader", args.reader)
+            role = brokeraccess.READER
+        else:
+            name = wire.principal(args.agent, args.node if args.node is not None else args.agent)
+            role = brokeraccess.AGENT
+    except wire.WireError as exc:
+        print(f"denpexd credential: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    print(f"DENPEX_USERNAME={name}")
+    print(f"DENPEX_PASSWORD={brokeraccess.credential(cfg.agent_secret, role, name)}")
+    return EXIT_OK

@@ -10,6 +10,7 @@ the agent shares (`DENPEX_CONFIG`, `DENPEX_SERVER` are tolerated, `DENPEX_API_TO
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import os
 import re
 import tomllib
@@ -49,6 +50,12 @@ class ServeConfig:
     alert_settle_s: float = 0.5
     alert_catchup_hold_s: float = 10.0
     api_token: str | None = None
+    # the embedded broker's one secret, from which every agent's and reader's broker password is
+    # derived (`denpexd credential`); without it, the embedded broker is for loopback only
+    agent_secret: str | None = None
+    # the weaker alternative: one broker password for every agent (dynamic pod names), see
+    # brokeraccess; a holder may connect as any agent
+    agent_password: str | None = None
     shutdown_timeout_s: float = 10.0
     log_level: str = "info"
 
@@ -59,8 +66,9 @@ class ServeConfig:
     def redacted(self) -> dict[str, Any]:
         """The configuration as logged: no token, no broker password."""
         out = dataclasses.asdict(self)
-        if out["api_token"]:
-            out["api_token"] = "***"
+        for key in ("api_token", "agent_secret", "agent_password"):
+            if out[key]:
+                out[key] = "***"
         if out["broker"]:
             out["broker"] = redact_url(out["broker"])
         return out
@@ -100,9 +108,45 @@ def split_listen(value: str) -> tuple[str, int]:
     return _host_port("listen", value)
 
 
+MIN_SECRET_CHARS = 16
+
+
+def is_loopback(host: str) -> bool:
+    """Does listening on ``host`` keep the port on this machine?"""
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a name other than localhost: whatever it resolves to, assume it is reachable
+
+
 def _validate(cfg: ServeConfig) -> ServeConfig:
-    _host_port("mqtt_listen", cfg.mqtt_listen)
-    _host_port("http_listen", cfg.http_listen)
+    mqtt_host, _ = _host_port("mqtt_listen", cfg.mqtt_listen)
+    http_host, _ = _host_port("http_listen", cfg.http_listen)
+    for key in ("agent_secret", "agent_password"):
+        value = getattr(cfg, key)
+        if value is not None and len(value) < MIN_SECRET_CHARS:
+            raise ConfigError(
+                key, f"too short: use at least {MIN_SECRET_CHARS} characters (e.g. `openssl rand -hex 32`)"
+            )
+    # Nothing listens beyond loopback without authentication.
+    authenticated = cfg.agent_secret is not None or cfg.agent_password is not None
+    if cfg.broker is None and not authenticated and not is_loopback(mqtt_host):
+        raise ConfigError(
+            "mqtt_listen",
+            f"the embedded broker would accept anyone on {cfg.mqtt_listen}: set agent_secret "
+            "(DENPEX_AGENT_SECRET; agents then connect with `denpexd credential` passwords), or "
+            "agent_password (DENPEX_AGENT_PASSWORD, one password for all agents), or listen on "
+            "127.0.0.1",
+        )
+    if cfg.api_token is None and not is_loopback(http_host):
+        raise ConfigError(
+            "http_listen",
+            f"the HTTP API would answer anyone on {cfg.http_listen}: set api_token "
+            "(DENPEX_API_TOKEN) or listen on 127.0.0.1",
+        )
     if cfg.broker is not None:
         u = urlsplit(cfg.broker)
         shown = redact_url(cfg.broker)

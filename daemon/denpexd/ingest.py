@@ -36,6 +36,7 @@ from paho.mqtt.properties import Properties
 from denpex_agent import wire
 from denpex_agent.redact import redact_url
 from denpexd import fastwire
+from denpexd.brokeraccess import DAEMON_USER
 from denpexd.config import ServeConfig, split_listen
 from denpexd.errors import BrokerError
 from denpexd.metrics import Metrics, invalid_reason
@@ -101,9 +102,11 @@ class Ingest:
         metrics: Metrics,
         *,
         clock: Callable[[], float] = time.time,
+        embedded_password: str | None = None,
     ) -> None:
         self.cfg = cfg
         self.sink = sink
+        self._embedded_password = embedded_password  # the daemon's own login on the embedded broker
         self.metrics = metrics
         self._clock = clock
         self._client: aiomqtt.Client | None = None
@@ -132,6 +135,8 @@ class Ingest:
             client = aiomqtt.Client(
                 host,
                 port,
+                username=DAEMON_USER if self._embedded_password else None,
+                password=self._embedded_password,
                 identifier=self.cfg.client_id,
                 protocol=aiomqtt.ProtocolVersion.V311,
                 clean_session=True,
@@ -381,17 +386,32 @@ class Ingest:
         topic = message.topic.value
         payload = message.payload if isinstance(message.payload, bytes) else b""
         try:
-            kind, job, agent = wire.parse_topic(topic)
-            if kind == "events":
-                batch = fastwire.decode_batch(payload, topic_job=job)  # same outcome as wire's
-            elif kind == "clock":
+            where = wire.parse_topic(topic)
+            job = where.job
+            if where.kind == "events":
+                try:
+                    batch = fastwire.decode_batch(payload, topic_job=job)  # same outcome as wire's
+                    wire.check_sender(where, batch.agent, batch.node)
+                except wire.WireError as exc:
+                    self._refused_receipt(where, payload, exc.reason)
+                    raise
+                # The agent checkpoints this batch's lines once told that it is stored. On the
+                # first revision's topic (job style) the payload names the agent.
+                entry.ack = self._with_receipt(
+                    entry.ack, wire.receipt_topic(batch.agent, batch.node),
+                    wire.encode_receipt(job, batch.seq, batch.sent_at),
+                )  # fmt: skip
+            elif where.kind == "clock":
                 t1 = self._clock()
                 a, t0 = wire.decode_clock_request(payload)
-                if a != (agent or ""):
+                if a != (where.agent or ""):
                     raise wire.WireError(f"invalid agent id {a!r}: does not match the topic")
                 self.metrics.clock_requests.inc()
                 self._publish_nowait(
-                    wire.clock_reply_topic(a), wire.encode_clock_reply(t0, t1, self._clock()), False, 0
+                    wire.clock_reply_topic(a, where.node),
+                    wire.encode_clock_reply(t0, t1, self._clock(), receipts=True),
+                    False,
+                    0,
                 )
                 ack()
                 return None
@@ -400,6 +420,7 @@ class Ingest:
                     ack()
                     return None
                 a, node, state, lost = wire.decode_status_full(payload)
+                wire.check_sender(where, a, node)
                 self.sink.agent_status(job, a, node, state, lost)
                 if not self.external:
                     # The embedded broker (amqtt) sends every retained message that matches any
@@ -420,6 +441,39 @@ class Ingest:
             return None
         self.metrics.batches.inc()
         return batch
+
+    def _with_receipt(self, ack: Ack, topic: str, receipt: bytes) -> Ack:
+        """``ack`` that also tells the agent its batch is stored (QoS 0: a lost receipt costs one
+        re-send, whose events are dropped as duplicates, and a new receipt)."""
+
+        def ack_and_tell() -> None:
+            ack()
+            self.metrics.receipts.inc()
+            self._publish_nowait(topic, receipt, False, 0)
+
+        return ack_and_tell
+
+    def _refused_receipt(self, where: wire.Topic, payload: bytes, reason: str) -> None:
+        """An agent's batch refused for good: tell it (if its seq and sent_at can be read), so it
+        does not send it again."""
+        if len(payload) > wire.MAX_BATCH_BYTES:
+            return
+        try:
+            doc = orjson.loads(payload)
+        except ValueError:
+            return
+        if not isinstance(doc, dict):
+            return
+        seq, sent_at = doc.get("seq"), doc.get("sent_at")
+        agent, node = (
+            (where.agent, where.node) if where.node is not None else (doc.get("agent"), doc.get("node"))
+        )
+        if not (wire.valid_id(agent) and wire.valid_id(node)):
+            return
+        assert isinstance(agent, str) and isinstance(node, str)
+        if isinstance(seq, int) and not isinstance(seq, bool) and isinstance(sent_at, (int, float)):
+            receipt = wire.encode_receipt(where.job, seq, float(sent_at), refused=reason)
+            self._publish_nowait(wire.receipt_topic(agent, node), receipt, False, 0)
 
     async def publish(self, topic: str, payload: bytes, *, retain: bool = False, qos: int = 1) -> None:
         """Queue a message for the broker without waiting for its PUBACK.
@@ -453,10 +507,10 @@ class Ingest:
 
 def _topic_job(topic: str) -> str | None:
     try:
-        kind, job, _ = wire.parse_topic(topic)
+        where = wire.parse_topic(topic)
     except wire.WireError:
         return None
-    return job if kind == "events" else None
+    return where.job if where.kind == "events" else None
 
 
 def _payload(entry: _Entry) -> bytes | None:

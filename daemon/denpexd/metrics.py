@@ -80,6 +80,11 @@ class Metrics:
         self.clock_requests = Counter(
             "denpex_clock_requests_total", "Clock-sync requests answered", registry=r
         )
+        self.receipts = Counter(
+            "denpex_ingest_receipts_total",
+            "Receipts sent to agents for batches stored (or otherwise settled)",
+            registry=r,
+        )
         self.clock_offset = Gauge(
             "denpex_clock_offset_seconds", "Node clock offset (local minus reference)", ["node"], registry=r
         )

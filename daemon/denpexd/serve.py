@@ -126,10 +126,17 @@ class App:
             store = await stack.enter_async_context(
                 Store(cfg.store_path, set_aside_damaged=self.set_aside_damaged_store)
             )
+            embedded_password = None
             if cfg.broker is None:
-                await stack.enter_async_context(
-                    EmbeddedBroker(cfg.mqtt_listen, on_client_failure=self.metrics.broker_client_failures.inc)
+                embedded = await stack.enter_async_context(
+                    EmbeddedBroker(
+                        cfg.mqtt_listen,
+                        on_client_failure=self.metrics.broker_client_failures.inc,
+                        secret=cfg.agent_secret,
+                        shared_password=cfg.agent_password,
+                    )
                 )
+                embedded_password = embedded.daemon_password
             sinks: list[AlertSink] = []
             if cfg.alertmanager:
                 sinks.append(await stack.enter_async_context(AlertmanagerSink(cfg.alertmanager)))
@@ -139,7 +146,9 @@ class App:
             table = self.table = JobTable(cfg, self.loaded.rules, store, self.metrics, alerter)
             alerter.gate = table.alert_wait
             await table.restore()
-            ingest = await stack.enter_async_context(Ingest(cfg, table, self.metrics))
+            ingest = await stack.enter_async_context(
+                Ingest(cfg, table, self.metrics, embedded_password=embedded_password)
+            )
             table.bus = ingest
             sinks.append(MqttSink(ingest))
             api = await stack.enter_async_context(

@@ -75,7 +75,7 @@ async def collector(job: str, port: int = BROKER_PORT, session: str | None = Non
                     async for msg in client.messages:
                         payload = msg.payload if isinstance(msg.payload, bytes) else b""
                         try:
-                            kind, _job, _agent = wire.parse_topic(str(msg.topic))
+                            kind = wire.parse_topic(str(msg.topic)).kind
                         except wire.WireError:
                             continue  # e.g. a correlator's retained diagnosis under the job
                         try:

@@ -427,6 +427,7 @@ class Result:
     broker: str
     job_id: str = ""
     agent_ids: list[str] = field(default_factory=list)
+    agent_nodes: list[tuple[str, str]] = field(default_factory=list)  # (agent id, node)
     seed: int | None = None
     diffs: list[tuple[str, Any, Any]] = field(default_factory=list)
     alerts: AlertFacts | None = None
@@ -650,6 +651,7 @@ async def replay_job(
     job_id = f"inv-{corpus.name.replace('_', '-')}-{variant}-{site.name[:4]}-{tag}"
     result.job_id = job_id
     result.agent_ids = [f"{node}-{tag}" for node in corpus.nodes]
+    result.agent_nodes = [(f"{node}-{tag}", node) for node in corpus.nodes]
     work = site.workdir / job_id
     dest = work / "logs"
     dest.mkdir(parents=True)
@@ -738,10 +740,10 @@ async def site(name: str, workdir: Path) -> AsyncIterator[Site]:
                 await forget_session(client_id)
 
 
-async def clear_retained(job_ids: Sequence[str], agents: Sequence[tuple[str, str]]) -> None:
+async def clear_retained(job_ids: Sequence[str], agents: Sequence[tuple[str, str, str]]) -> None:
     """Remove what the replays left retained on Mosquitto (diagnoses, agent statuses)."""
     async with aiomqtt.Client(*MOSQUITTO, identifier=f"inv-clean-{uuid.uuid4().hex[:8]}") as client:
         for job in job_ids:
             await client.publish(wire.diagnosis_topic(job), b"", qos=1, retain=True)
-        for job, agent in agents:
-            await client.publish(wire.status_topic(job, agent), b"", qos=1, retain=True)
+        for job, agent, node in agents:
+            await client.publish(wire.sender_topic(job, agent, node, "status"), b"", qos=1, retain=True)

@@ -32,8 +32,14 @@ from tests.integration.replay import free_port
 pytestmark = [pytest.mark.integration]
 
 BROKER = Path(__file__).resolve().parents[2] / "deploy" / "broker"
-USERS = {"denpexd": "daemon-secret", "node01": "agent-secret-1", "node02": "agent-secret-2"}
-JOB = "job-4711"  # mosquitto.acl's example grant: node01 and node02 run job-4711
+USERS = {
+    "denpexd": "daemon-secret",
+    "node01": "agent-secret-1",
+    "node02": "agent-secret-2",
+    "trainer-7/node02": "agent-secret-3",  # agent trainer-7 on node02: its principal
+    "denpex-reader": "reader-secret",
+}
+JOB = "job-4711"
 
 
 def _tool(name: str) -> str:
@@ -152,39 +158,58 @@ class Client:
 
 
 def test_agent_acl(broker: int) -> None:
+    """Each agent publishes as itself only: its principal (the broker user name) is the topic
+    level the ACL pins; diagnoses, alerts and clock replies are denpexd's alone."""
     with (
         Client(broker, "denpexd", USERS["denpexd"]) as daemon,
         Client(broker, "node01", USERS["node01"]) as agent,
+        Client(broker, "trainer-7/node02", USERS["trainer-7/node02"]) as pod,
+        Client(broker, "denpex-reader", USERS["denpex-reader"]) as reader,
     ):
-        assert daemon.connack is not None and not daemon.connack.is_failure
-        assert agent.connack is not None and not agent.connack.is_failure
+        for c in (daemon, agent, pod, reader):
+            assert c.connack is not None and not c.connack.is_failure, c.user
         assert daemon.subscribe("denpex/v1/#").value < 0x80
+        assert reader.subscribe("denpex/v1/#").value < 0x80
         own_clock, other_clock = "denpex/v1/agents/node01/clock", "denpex/v1/agents/node02/clock"
         assert agent.subscribe(own_clock).value < 0x80
         other_sub = agent.subscribe(other_clock)  # refused (0x87) or accepted but never delivered
 
-        # Allowed: events, clock request and status under its own job.
-        for topic in (f"denpex/v1/jobs/{JOB}/events", f"denpex/v1/jobs/{JOB}/clock/node01",
-                      f"denpex/v1/jobs/{JOB}/agents/node01/status"):  # fmt: skip
-            rc = agent.publish(topic, b"allowed")
-            assert rc.value < 0x80, (topic, rc)
-        # Refused: another job's topics, a daemon-only topic.
-        for topic in ("denpex/v1/jobs/job-9999/events", "denpex/v1/jobs/job-9999/agents/node01/status",
-                      "denpex/v1/agents/node01/clock", "denpex/v1/alerts/job-4711"):  # fmt: skip
-            rc = agent.publish(topic, b"forbidden")
-            assert rc.value >= 0x80, (topic, rc)
-            assert rc.getName() == "Not authorized", (topic, rc)
+        allowed = [
+            (agent, f"denpex/v1/jobs/{JOB}/from/node01/events"),
+            (agent, f"denpex/v1/jobs/{JOB}/from/node01/clock"),
+            (agent, f"denpex/v1/jobs/{JOB}/from/node01/status"),
+            (pod, f"denpex/v1/jobs/{JOB}/from/trainer-7/node02/events"),
+        ]
+        refused = [
+            (agent, f"denpex/v1/jobs/{JOB}/from/node02/events"),  # another agent
+            (agent, f"denpex/v1/jobs/{JOB}/from/node01/node02/events"),  # another node
+            (pod, f"denpex/v1/jobs/{JOB}/from/trainer-7/events"),  # its node left out
+            (agent, f"denpex/v1/jobs/{JOB}/events"),  # the first revision's topic names nobody
+            (agent, f"denpex/v1/jobs/{JOB}/diagnosis"),  # a planted diagnosis
+            (agent, f"denpex/v1/alerts/{JOB}"),
+            (agent, "denpex/v1/agents/node01/clock"),
+            (reader, f"denpex/v1/jobs/{JOB}/from/node01/events"),
+            (reader, f"denpex/v1/jobs/{JOB}/diagnosis"),
+        ]
+        for client, topic in allowed:
+            rc = client.publish(topic, b"allowed")
+            assert rc.value < 0x80, (client.user, topic, rc)
+        for client, topic in refused:
+            rc = client.publish(topic, b"forbidden")
+            assert rc.value >= 0x80, (client.user, topic, rc)
+            assert rc.getName() == "Not authorized", (client.user, topic, rc)
 
         # The daemon answers clocks: the agent reads its own, never another agent's.
         assert daemon.publish(own_clock, b"reply-1").value < 0x80
         assert daemon.publish(other_clock, b"reply-2").value < 0x80
-        daemon._wait(lambda: len(daemon.received(f"denpex/v1/jobs/{JOB}/events")) == 1)
+        daemon._wait(lambda: len([p for _, p in daemon.messages if p == b"allowed"]) == len(allowed))
         agent._wait(lambda: agent.received(own_clock) == [b"reply-1"])
         time.sleep(0.5)  # anything forbidden would have been delivered by now
         assert agent.received(other_clock) == [], other_sub
-        # The subscriber with full rights got every allowed message and none of the forbidden ones.
-        assert all(p != b"forbidden" for _, p in daemon.messages), daemon.messages
-        assert daemon.received(f"denpex/v1/jobs/{JOB}/events") == [b"allowed"]
+        # The subscribers with read rights got every allowed message and none of the forbidden ones.
+        for c in (daemon, reader):
+            assert all(p != b"forbidden" for _, p in c.messages), (c.user, c.messages)
+            assert sorted(t for t, p in c.messages if p == b"allowed") == sorted(t for _, t in allowed)
 
 
 def test_wrong_password_and_anonymous_refused(broker: int) -> None:

@@ -100,3 +100,33 @@ def test_training_job_sidecar() -> None:
     from denpex_agent.config import KEYS
 
     assert {n.removeprefix("DENPEX_").lower() for n in env} <= KEYS
+
+
+def test_the_daemon_config_needs_its_secrets_and_gets_them(tmp_path: Path) -> None:
+    """The ConfigMap's listeners are reachable in the cluster: without denpexd-secrets the
+    validate init container refuses it; both containers read that Secret (not optional), and the
+    example agent reads its password from a Secret too."""
+    import os
+    import subprocess
+    import sys
+
+    docs = _docs()
+    conf = tmp_path / "denpexd.toml"
+    conf.write_text(docs[("ConfigMap", "denpexd-config")]["data"]["denpexd.toml"])
+
+    def validate(extra: dict[str, str]) -> subprocess.CompletedProcess[str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("DENPEX_")} | extra
+        return subprocess.run(
+            [sys.executable, "-m", "denpexd", "validate", "--config", str(conf)],
+            capture_output=True, text=True, timeout=60, env=env,
+        )  # fmt: skip
+
+    refused = validate({})
+    assert refused.returncode == 2 and "mqtt_listen" in refused.stderr, refused.stderr
+    assert validate({"DENPEX_API_TOKEN": "t" * 32, "DENPEX_AGENT_PASSWORD": "p" * 32}).returncode == 0
+    pod = docs[("StatefulSet", "denpexd")]["spec"]["template"]["spec"]
+    for c in (_container(pod, "validate"), _container(pod, "denpexd")):
+        assert c["envFrom"] == [{"secretRef": {"name": "denpexd-secrets"}}], c["name"]
+    job = docs[("Job", "llm-pretrain-4711")]["spec"]["template"]["spec"]
+    env = {e["name"]: e for e in _container(job, "denpex-agent")["env"]}
+    assert env["DENPEX_PASSWORD"]["valueFrom"]["secretKeyRef"] == {"name": "denpex-agent", "key": "password"}

@@ -94,13 +94,43 @@ def test_unit_contract(unit: str) -> None:
         assert d["ProtectHome"] == ["read-only"] and d["ReadOnlyPaths"]
 
 
-def test_example_configs_pass_their_own_checks(tmp_path: Path) -> None:
-    """What ExecStartPre runs, run on the shipped examples."""
-    denpexd = subprocess.run(
+def _validate_shipped(env_lines: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DENPEX_")}
+    env.update(env_lines)
+    return subprocess.run(
         [sys.executable, "-m", "denpexd", "validate", "--config", str(SYSTEMD / "denpexd.toml")],
-        capture_output=True, text=True, timeout=60,
-        env={k: v for k, v in os.environ.items() if not k.startswith("DENPEX_")},
+        capture_output=True, text=True, timeout=60, env=env,
     )  # fmt: skip
+
+
+def _env_file(path: Path) -> dict[str, str]:
+    out = {}
+    for line in path.read_text().splitlines():
+        if line and not line.startswith("#"):
+            key, _, value = line.partition("=")
+            out[key] = value
+    return out
+
+
+def test_the_shipped_daemon_config_is_refused_until_its_secrets_are_set() -> None:
+    """denpexd.toml listens beyond loopback: as shipped (no secrets, or denpexd.env.example's
+    empty ones) ExecStartPre refuses it, naming what is missing; with the secrets it passes."""
+    bare = _validate_shipped({})
+    assert bare.returncode == 2 and "mqtt_listen" in bare.stderr and "DENPEX_AGENT_SECRET" in bare.stderr
+    shipped = _env_file(SYSTEMD / "denpexd.env.example")
+    assert set(shipped) == {"DENPEX_AGENT_SECRET", "DENPEX_API_TOKEN"}
+    as_shipped = _validate_shipped(shipped)
+    assert as_shipped.returncode == 2 and "too short" in as_shipped.stderr, as_shipped.stderr
+    no_token = _validate_shipped({"DENPEX_AGENT_SECRET": "a" * 64})
+    assert no_token.returncode == 2 and "http_listen" in no_token.stderr
+    filled = _validate_shipped({"DENPEX_AGENT_SECRET": "a" * 64, "DENPEX_API_TOKEN": "b" * 64})
+    assert filled.returncode == 0, filled.stderr
+    assert "a" * 64 not in filled.stdout + filled.stderr
+
+
+def test_example_configs_pass_their_own_checks(tmp_path: Path) -> None:
+    """What ExecStartPre runs, run on the shipped examples (the daemon's with its secrets set)."""
+    denpexd = _validate_shipped({"DENPEX_AGENT_SECRET": "a" * 64, "DENPEX_API_TOKEN": "b" * 64})
     assert denpexd.returncode == 0, denpexd.stderr
     env = {k: v for k, v in os.environ.items() if not k.startswith("DENPEX_")}
     for line in (SYSTEMD / "denpex-agent.env.example").read_text().splitlines():

@@ -140,7 +140,9 @@ async def _run_all(cases: Sequence[Case], workdir: Path) -> Run:
             run.daemons[b].append(f"denpexd serve: exit code {sites[b].exit_code} after SIGTERM")
     if "mosquitto" in brokers:
         done = [r for c, r in run.results.items() if c[2] == "mosquitto" and r.job_id]
-        await clear_retained([r.job_id for r in done], [(r.job_id, a) for r in done for a in r.agent_ids])
+        await clear_retained(
+            [r.job_id for r in done], [(r.job_id, a, n) for r in done for a, n in r.agent_nodes]
+        )
     return run
 
 
