@@ -467,7 +467,7 @@ class Agent:
             if self._receipts:
                 group = _Sent(sent, marks, size, time.monotonic())
                 self._unconfirmed.append(group)
-                for key in sent:
+                for key in list(sent):  # group.parts is `sent`
                     if key in self._early:
                         self._early.discard(key)
                         del group.parts[key]
