@@ -8,13 +8,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import faulthandler
 import logging
 import os
 import signal
 import sys
-import threading
 import traceback
 from collections.abc import Sequence
 from typing import Any, NoReturn
@@ -25,6 +22,7 @@ from denpex_agent import __version__
 from denpex_agent.config import _FIELD_TYPES, AgentConfig, load_config, parse_listen
 from denpex_agent.errors import ConfigError, LayoutError, RuleError
 from denpex_agent.redact import Redactor, configure_logging, redact_url
+from denpex_agent.watchdog import stop_watchdog
 
 log = logging.getLogger("denpex_agent")
 
@@ -173,26 +171,6 @@ def _main(args: argparse.Namespace, config_file: str | None, redact: Redactor) -
     return 0
 
 
-def _stop_watchdog(seconds: float) -> None:
-    """The bound of a stop, whatever holds it up (a stalled disk, a broker that never answers, a
-    bug): past it, every thread's stack goes to stderr and the process exits 1. What was not
-    acknowledged by then is read again at the next start, from the last checkpoint."""
-
-    def overdue() -> None:
-        log.error("stop overran its bound; exiting without finishing it bound_s=%.1f", seconds)
-        with contextlib.suppress(Exception):
-            faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
-        for handler in logging.getLogger().handlers:
-            with contextlib.suppress(Exception):
-                handler.flush()
-        os._exit(1)
-
-    timer = threading.Timer(seconds, overdue)
-    timer.name = "denpex-stop-watchdog"
-    timer.daemon = True
-    timer.start()
-
-
 async def _run(agent: Any) -> None:
     loop = asyncio.get_running_loop()
     main_task = asyncio.current_task()
@@ -203,7 +181,7 @@ async def _run(agent: Any) -> None:
         if signals["count"] == 1:
             log.info("stopping; flushing what was read signal=%s", signame)
             agent.request_stop()
-            _stop_watchdog(agent.cfg.shutdown_timeout + STOP_MARGIN_S)
+            stop_watchdog(agent.cfg.shutdown_timeout + STOP_MARGIN_S, log)
         else:
             log.warning("second signal; stopping now signal=%s", signame)
             if main_task is not None:

@@ -3,8 +3,10 @@
 Start in order — store, broker (embedded unless `--broker`), alert sinks, jobs restored from the
 store, ingest, HTTP API — and stop in reverse. SIGTERM/SIGINT stop ingest, drain what was
 received (processed, stored, acknowledged, final diagnoses published) within
-`shutdown_timeout_s`; a second signal cancels at once. SIGHUP reloads configuration and rules
-through `load()`, the same path as startup; a bad reload keeps the running ones.
+`shutdown_timeout_s`; a second signal cancels at once, and a stop that is still held up
+`STOP_MARGIN_S` after that (closing the store and the broker) ends the process with exit 1 and
+every thread's stack on stderr. SIGHUP reloads configuration and rules through `load()`, the
+same path as startup; a bad reload keeps the running ones.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from prometheus_client import CollectorRegistry
 
 from denpex_agent.errors import RuleError
 from denpex_agent.rules import RuleSet, load_rules
+from denpex_agent.watchdog import stop_watchdog
 from denpexd.alerts import Alerter, AlertmanagerSink, AlertSink, MqttSink
 from denpexd.api import Api
 from denpexd.broker import EmbeddedBroker
@@ -33,6 +36,9 @@ from denpexd.metrics import Metrics
 from denpexd.store import Store
 
 log = logging.getLogger(__name__)
+
+# beyond shutdown_timeout_s (the drain), for closing the store, the broker and the API
+STOP_MARGIN_S = 5.0
 
 RETENTION_EVERY_S = 3600.0
 GC_THRESHOLD = 20_000  # allocations between young-generation collections (default 700)
@@ -75,12 +81,15 @@ class App:
         self.table: JobTable | None = None
         self._main: asyncio.Task[None] | None = None
         self.http_port = 0
+        self.on_stop: Callable[[], None] | None = None  # run at the first stop signal (a watchdog)
 
     def request_stop(self, signame: str = "stop") -> None:
         self._signals += 1
         if self._signals == 1:
             log.info("stopping: draining in-flight batches signal=%s", signame)
             self._stop.set()
+            if self.on_stop is not None:
+                self.on_stop()
         else:
             log.warning("second signal: stopping now signal=%s", signame)
             if self._main is not None:
@@ -198,6 +207,12 @@ class App:
 def run_serve(loader: Loader, *, set_aside_damaged_store: bool = False) -> None:
     """Load, then serve until stopped; raises `DenpexdError` subclasses for the CLI to report."""
     app = App(loader, set_aside_damaged_store=set_aside_damaged_store)
+    bound = app.loaded.cfg.shutdown_timeout_s + STOP_MARGIN_S
+
+    def watch_the_stop() -> None:
+        stop_watchdog(bound, log)
+
+    app.on_stop = watch_the_stop
     # The daemon holds hundreds of thousands of long-lived objects (events kept by the engines,
     # diagnoses, queued batches); the collector's default of a young-generation pass every 700
     # allocations makes it re-examine them often. Start-up objects (modules, rules) are frozen.
