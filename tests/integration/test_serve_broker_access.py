@@ -235,3 +235,21 @@ async def test_real_agents_connect_with_their_credentials(tmp_path: Path) -> Non
             stop(proc)
         await daemon.stop()
     assert SECRET not in daemon.log.read_text() and shared not in daemon.log.read_text()
+
+
+def test_credential_says_what_is_missing() -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DENPEX_")}
+    run = [sys.executable, "-m", "denpexd", "credential"]
+    none = subprocess.run([*run, "--agent", "n1"], capture_output=True, text=True, env=env, timeout=30)
+    assert none.returncode == 2 and "no agent_secret configured" in none.stderr
+    env["DENPEX_AGENT_SECRET"] = SECRET
+    bad = subprocess.run([*run, "--agent", "a/b"], capture_output=True, text=True, env=env, timeout=30)
+    assert bad.returncode == 2 and "invalid agent id" in bad.stderr
+    both = subprocess.run(
+        [*run, "--reader", "r", "--node", "n"], capture_output=True, text=True, env=env, timeout=30
+    )
+    assert both.returncode == 2 and "--node is for agents" in both.stderr
+    neither = subprocess.run(run, capture_output=True, text=True, env=env, timeout=30)
+    assert neither.returncode == 2
+    ok = subprocess.run([*run, "--agent", "n1"], capture_output=True, text=True, env=env, timeout=30)
+    assert ok.returncode == 0 and SECRET not in ok.stdout
