@@ -57,6 +57,20 @@ def _get(url: str) -> str:
         return str(resp.read().decode())
 
 
+async def _sigterm(proc: subprocess.Popen[bytes], within: float) -> tuple[int, float]:
+    """SIGTERM; (exit code, seconds it took)."""
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    rc = await asyncio.to_thread(proc.wait, within)
+    return rc, time.monotonic() - t0
+
+
+def _reap(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
 def _adversarial(path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("wb") as fh:
@@ -100,14 +114,9 @@ async def test_heartbeats_go_on_and_sigterm_is_answered_while_a_scan_is_stuck(tm
             assert 'denpex_agent_warnings_total{reason="pattern-timeout"}' in body
             slow = [e for e in got.events("heartbeat") if "scan_busy_s" in e.fields]
             assert slow, "heartbeats say that the reader is busy"
-            t0 = time.monotonic()
-            proc.send_signal(signal.SIGTERM)
-            rc = await asyncio.to_thread(proc.wait, 10)
-            took = time.monotonic() - t0
+            rc, took = await _sigterm(proc, 10)
         finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+            _reap(proc)
     text = agent_log.read_text(errors="replace")
     assert rc == 0, text[-3000:]
     assert took < 4 + 2.0, f"SIGTERM answered after {took:.1f} s"
@@ -156,14 +165,9 @@ async def test_a_stop_that_cannot_finish_still_ends_within_its_bound(tmp_path: P
         try:
             await eventually(lambda: any(e.kind == "heartbeat" for e in got.events()), within=20)
             await asyncio.sleep(1.0)  # a periodic checkpoint write is stuck by now
-            t0 = time.monotonic()
-            proc.send_signal(signal.SIGTERM)
-            rc = await asyncio.to_thread(proc.wait, 20)
-            took = time.monotonic() - t0
+            rc, took = await _sigterm(proc, 20)
         finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+            _reap(proc)
     text = agent_log.read_text(errors="replace")
     assert rc == 1, text[-3000:]
     assert took < 1 + STOP_MARGIN_S + 1.5, f"stopped after {took:.1f} s"

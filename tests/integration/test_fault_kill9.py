@@ -24,6 +24,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 import orjson
 import pytest
@@ -144,42 +145,57 @@ async def _stream_with_kills(
     return summary
 
 
-@pytest.mark.asyncio
-async def test_daemon_kill9_with_the_embedded_broker_loses_nothing(tmp_path: Path) -> None:
-    daemon = Daemon(tmp_path / "data")
-    await daemon.start()
-
+def _killer(daemon: Daemon) -> Any:
     async def kill_daemon() -> None:
         daemon.kill()
         await daemon.wait()
         await asyncio.sleep(0.3)
         await daemon.start()
 
+    return kill_daemon
+
+
+def _private_broker(tmp_path: Path, shipped_persistence: bool) -> PrivateBroker:
+    (tmp_path / "broker").mkdir()
+    broker = PrivateBroker(tmp_path / "broker")
+    if shipped_persistence:
+        shipped = [
+            line
+            for line in SHIPPED_CONF.read_text().splitlines()
+            if line.startswith(("persistence ", "autosave_interval", "autosave_on_changes"))
+        ]
+        assert shipped, "deploy/broker/mosquitto.conf has no persistence lines"
+        conf = [
+            line
+            for line in broker.conf.read_text().splitlines()
+            if not line.startswith(("persistence ", "autosave"))
+        ]
+        broker.conf.write_text("\n".join(conf + shipped) + "\n")
+    broker.start()
+    return broker
+
+
+def _external_daemon(tmp_path: Path, broker: PrivateBroker) -> Daemon:
+    client_id = f"denpexd-kill9-{uuid.uuid4().hex[:8]}"
+    return Daemon(tmp_path / "data", "--client-id", client_id, broker=f"mqtt://127.0.0.1:{broker.port}")
+
+
+@pytest.mark.asyncio
+async def test_daemon_kill9_with_the_embedded_broker_loses_nothing(tmp_path: Path) -> None:
+    daemon = Daemon(tmp_path / "data")
+    await daemon.start()
     try:
-        await _stream_with_kills(tmp_path, daemon, daemon.mqtt_port, kill_daemon, ["--mqtt-version", "3.1.1"])
+        await _stream_with_kills(
+            tmp_path, daemon, daemon.mqtt_port, _killer(daemon), ["--mqtt-version", "3.1.1"]
+        )
     finally:
         await daemon.stop()
 
 
 @pytest.mark.asyncio
 async def test_mosquitto_kill9_with_the_shipped_persistence_loses_nothing(tmp_path: Path) -> None:
-    (tmp_path / "broker").mkdir()
-    broker = PrivateBroker(tmp_path / "broker")
-    shipped = [
-        line
-        for line in SHIPPED_CONF.read_text().splitlines()
-        if line.startswith(("persistence ", "autosave_interval", "autosave_on_changes"))
-    ]
-    assert shipped, "deploy/broker/mosquitto.conf has no persistence lines"
-    conf = [
-        line
-        for line in broker.conf.read_text().splitlines()
-        if not line.startswith(("persistence ", "autosave"))
-    ]
-    broker.conf.write_text("\n".join(conf + shipped) + "\n")
-    broker.start()
-    client_id = f"denpexd-kill9-{uuid.uuid4().hex[:8]}"
-    daemon = Daemon(tmp_path / "data", "--client-id", client_id, broker=f"mqtt://127.0.0.1:{broker.port}")
+    broker = _private_broker(tmp_path, shipped_persistence=True)
+    daemon = _external_daemon(tmp_path, broker)
     await daemon.start()
 
     async def kill_broker() -> None:
@@ -202,21 +218,11 @@ async def test_daemon_kill9_with_mosquitto_loses_nothing(tmp_path: Path) -> None
     what it had received but not stored is delivered again (it acknowledges after storing). The
     agents use job-style topics here (one events topic per job, as behind daemon replicas), whose
     batches get receipts too."""
-    (tmp_path / "broker").mkdir()
-    broker = PrivateBroker(tmp_path / "broker")
-    broker.start()
-    client_id = f"denpexd-kill9-{uuid.uuid4().hex[:8]}"
-    daemon = Daemon(tmp_path / "data", "--client-id", client_id, broker=f"mqtt://127.0.0.1:{broker.port}")
+    broker = _private_broker(tmp_path, shipped_persistence=False)
+    daemon = _external_daemon(tmp_path, broker)
     await daemon.start()
-
-    async def kill_daemon() -> None:
-        daemon.kill()
-        await daemon.wait()
-        await asyncio.sleep(0.3)
-        await daemon.start()
-
     try:
-        await _stream_with_kills(tmp_path, daemon, broker.port, kill_daemon, ["--topic-style", "job"])
+        await _stream_with_kills(tmp_path, daemon, broker.port, _killer(daemon), ["--topic-style", "job"])
     finally:
         await daemon.stop()
         broker.stop()
