@@ -17,10 +17,6 @@ holds exactly 256; once acknowledgements trickle in, thousands (see bench/README
 from __future__ import annotations
 
 import argparse
-import os
-import shutil
-import socket
-import subprocess
 import tempfile
 import threading
 import time
@@ -33,13 +29,9 @@ from paho.mqtt.enums import CallbackAPIVersion
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
+from _mosquitto import PrivateMosquitto
+
 RECEIVE_MAXIMUM = 256
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def measure(host: str, port: int, messages: int, payload_bytes: int) -> list[tuple[int, int]]:
@@ -100,30 +92,20 @@ def main() -> int:
     ap.add_argument("--messages", type=int, default=6000)
     ap.add_argument("--payload-bytes", type=int, default=40_000)
     args = ap.parse_args()
-    proc = None
+    broker = None
     if args.broker:
         host, _, port_text = args.broker.rpartition(":")
         port = int(port_text)
     else:
-        exe = shutil.which("mosquitto") or "/usr/sbin/mosquitto"
-        work = Path(tempfile.mkdtemp(prefix="denpex-receive-max-"))
-        host, port = "127.0.0.1", _free_port()
-        root = "user root\n" if os.geteuid() == 0 else ""
-        (work / "mosquitto.conf").write_text(
-            f"{root}listener {port} {host}\nallow_anonymous true\nmax_queued_messages 0\n"
-        )
-        proc = subprocess.Popen(
-            [exe, "-c", str(work / "mosquitto.conf")], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-        )
-        time.sleep(0.5)
-        version = subprocess.run([exe, "-h"], capture_output=True, text=True).stdout.splitlines()[:1]
-        print(f"private broker: {version[0] if version else exe}")
+        broker = PrivateMosquitto(Path(tempfile.mkdtemp(prefix="denpex-receive-max-")))
+        broker.start()
+        host, port = "127.0.0.1", broker.port
+        print(f"private broker: {broker.version}")
     try:
         samples = measure(host, port, args.messages, args.payload_bytes)
     finally:
-        if proc is not None:
-            proc.terminate()
-            proc.wait()
+        if broker is not None:
+            broker.stop()
     print(f"Receive Maximum {RECEIVE_MAXIMUM}; acknowledging the oldest delivery every 10 ms")
     print(f"{'t s':>5} {'acknowledged':>13} {'held unacknowledged':>20}")
     for i, (acked, held) in enumerate(samples):

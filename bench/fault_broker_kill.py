@@ -27,11 +27,7 @@ receipts and send again what was not confirmed, and tests/integration/test_fault
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import threading
@@ -43,6 +39,8 @@ import paho.mqtt.client as mqtt
 from paho.mqtt.enums import CallbackAPIVersion
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
+
+from _mosquitto import PrivateMosquitto
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = ROOT / "deploy" / "broker" / "mosquitto.conf"
@@ -62,49 +60,6 @@ SETTINGS = {
 }
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class Broker:
-    def __init__(self, workdir: Path, persistence: str) -> None:
-        self.exe = shutil.which("mosquitto") or "/usr/sbin/mosquitto"
-        self.port = free_port()
-        self.conf = workdir / "mosquitto.conf"
-        root = "user root\n" if os.geteuid() == 0 else ""
-        self.conf.write_text(
-            f"{root}listener {self.port} 127.0.0.1\nallow_anonymous true\n{persistence}\n"
-            f"persistence_location {workdir}/\nmax_queued_messages 0\nmax_inflight_messages 1000\n"
-        )
-        self.log = workdir / "mosquitto.log"
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        with self.log.open("ab") as out:
-            self.proc = subprocess.Popen([self.exe, "-c", str(self.conf)], stdout=out, stderr=out)
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            with socket.socket() as s:
-                if s.connect_ex(("127.0.0.1", self.port)) == 0:
-                    return
-            time.sleep(0.02)
-        raise RuntimeError(f"mosquitto did not start: {self.log.read_text()[-1000:]}")
-
-    def kill(self) -> None:
-        if self.proc is not None:
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait()
-            self.proc = None
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            self.proc.terminate()
-            self.proc.wait(timeout=10)
-            self.proc = None
-
-
 def _client(client_id: str) -> mqtt.Client:
     c = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=client_id, protocol=mqtt.MQTTv5)
     c.max_inflight_messages_set(100)
@@ -122,7 +77,9 @@ def _connect(c: mqtt.Client, port: int) -> None:
 
 def run(name: str, persistence: str, seconds: float, kill_every: float) -> dict[str, float]:
     work = Path(tempfile.mkdtemp(prefix=f"denpex-brokerkill-{name}-"))
-    broker = Broker(work, persistence)
+    broker = PrivateMosquitto(
+        work, f"{persistence}\npersistence_location {work}/\nmax_inflight_messages 1000"
+    )
     broker.start()
     received: dict[int, int] = {}
     acked: set[int] = set()

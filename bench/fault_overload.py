@@ -18,7 +18,6 @@ import asyncio
 import os
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -29,14 +28,9 @@ from pathlib import Path
 
 import aiomqtt
 
+from _mosquitto import PrivateMosquitto, free_port
 from denpex_agent import wire
 from denpex_agent.events import Event
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _rss_mb(pid: int) -> float:
@@ -87,17 +81,12 @@ def _get_ms(url: str) -> float:
 
 def run(mode: str, seconds: float) -> dict[str, float]:
     work = Path(tempfile.mkdtemp(prefix=f"denpex-overload-{mode}-"))
-    http, port = _free_port(), _free_port()
-    broker_proc = None
+    http, port = free_port(), free_port()
+    broker = None
     if mode == "mosquitto":
-        conf = work / "mosquitto.conf"
-        root = "user root\n" if os.geteuid() == 0 else ""
-        conf.write_text(f"{root}listener {port} 127.0.0.1\nallow_anonymous true\nmax_queued_messages 0\n")
-        exe = shutil.which("mosquitto") or "/usr/sbin/mosquitto"
-        broker_proc = subprocess.Popen(
-            [exe, "-c", str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-        )
-        time.sleep(0.5)
+        broker = PrivateMosquitto(work)
+        broker.start()
+        port = broker.port
         extra = ["--broker", f"mqtt://127.0.0.1:{port}", "--client-id", f"denpexd-overload-{os.getpid()}"]
     else:
         extra = ["--mqtt-listen", f"127.0.0.1:{port}"]
@@ -122,9 +111,8 @@ def run(mode: str, seconds: float) -> dict[str, float]:
             daemon.kill()
             code = daemon.wait()
         stop_s = time.monotonic() - t0
-    if broker_proc is not None:
-        broker_proc.terminate()
-        broker_proc.wait()
+    if broker is not None:
+        broker.stop()
     shutil.rmtree(work, ignore_errors=True)
     finite = [a for a in api if a != float("inf")]
     return {
