@@ -422,7 +422,7 @@ class Agent:
 
     async def _send_loop(self, pub: Publisher) -> None:
         cfg = self.cfg
-        topic = wire.agent_topics(cfg.job, cfg.agent, cfg.node, cfg.topic_style)["events"]
+        topic = pub.topics["events"]
         last_save = time.monotonic()
         done = False
         while not done:
@@ -547,7 +547,7 @@ class Agent:
         """Send again what the daemon has not confirmed within ``receipt_timeout`` (it drops the
         events it already has, by id, and confirms again)."""
         cfg = self.cfg
-        topic = wire.agent_topics(cfg.job, cfg.agent, cfg.node, cfg.topic_style)["events"]
+        topic = pub.topics["events"]
         said_at = -1e18
         while True:
             await asyncio.sleep(min(1.0, cfg.receipt_timeout / 2))
@@ -581,7 +581,7 @@ class Agent:
     # -- clock ----------------------------------------------------------------------------------
 
     async def _clock_loop(self, pub: Publisher) -> None:
-        topic = wire.agent_topics(self.cfg.job, self.cfg.agent, self.cfg.node, self.cfg.topic_style)["clock"]
+        topic = pub.topics["clock"]
         quick = 3
         while True:
             if await pub.wait_connected(self.cfg.clock_interval):

@@ -198,13 +198,11 @@ class Publisher:
             qos=1,
             retain=True,
         )
-        password = cfg.password or url.password
-        username = self._username
         return _LoopClient(
             url.host,
             url.port,
-            username=username,
-            password=password,
+            username=self._username,
+            password=cfg.password or url.password,
             identifier=f"denpex-agent-{cfg.agent}",
             protocol=protocol,
             will=last_will if will else None,

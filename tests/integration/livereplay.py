@@ -426,7 +426,6 @@ class Result:
     variant: str
     broker: str
     job_id: str = ""
-    agent_ids: list[str] = field(default_factory=list)
     agent_nodes: list[tuple[str, str]] = field(default_factory=list)  # (agent id, node)
     seed: int | None = None
     diffs: list[tuple[str, Any, Any]] = field(default_factory=list)
@@ -650,7 +649,6 @@ async def replay_job(
     tag = uuid.uuid4().hex[:6]
     job_id = f"inv-{corpus.name.replace('_', '-')}-{variant}-{site.name[:4]}-{tag}"
     result.job_id = job_id
-    result.agent_ids = [f"{node}-{tag}" for node in corpus.nodes]
     result.agent_nodes = [(f"{node}-{tag}", node) for node in corpus.nodes]
     work = site.workdir / job_id
     dest = work / "logs"
