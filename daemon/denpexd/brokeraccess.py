@@ -121,20 +121,25 @@ def allowed(grant: Grant, topic: str, action: Action) -> bool:
     return where is not None and where.agent == grant.agent and where.node == grant.node
 
 
+@dataclass
+class Access:
+    """Both plugins' configuration (amqtt fills it from the broker's `plugins` section)."""
+
+    secret: str | None = None
+    daemon_password: str = ""
+    shared_password: str | None = None
+
+    def grant(self, username: str | None, password: str | None) -> Grant | None:
+        return grant_for(self.secret, self.daemon_password, username, password, self.shared_password)
+
+
 class Authenticate(BaseAuthPlugin):  # type: ignore[misc]  # amqtt has no type hints
     """amqtt authentication: a client connects with a grant, or not at all."""
 
-    @dataclass
-    class Config:
-        secret: str | None = None
-        daemon_password: str = ""
-        shared_password: str | None = None
+    Config = Access
 
     async def authenticate(self, *, session: Any) -> bool | None:
-        cfg = self.context.config
-        grant = grant_for(
-            cfg.secret, cfg.daemon_password, session.username, session.password, cfg.shared_password
-        )
+        grant = self.context.config.grant(session.username, session.password)
         will_topic = session.will_topic or ""
         if grant is not None and session.will_flag and not allowed(grant, will_topic, Action.PUBLISH):
             # a last will is published (and retained) by the broker on the client's behalf: it
@@ -156,11 +161,7 @@ class Authenticate(BaseAuthPlugin):  # type: ignore[misc]  # amqtt has no type h
 class Authorize(BaseTopicPlugin):  # type: ignore[misc]
     """amqtt topic filtering: publish, subscribe and receive against the client's grant."""
 
-    @dataclass
-    class Config:
-        secret: str | None = None
-        daemon_password: str = ""
-        shared_password: str | None = None
+    Config = Access
 
     def __init__(self, context: Any) -> None:
         super().__init__(context)
@@ -175,8 +176,7 @@ class Authorize(BaseTopicPlugin):  # type: ignore[misc]
         if key not in self._cache:
             if len(self._cache) > 65_536:
                 self._cache.clear()
-            cfg = self.context.config
-            self._cache[key] = grant_for(cfg.secret, cfg.daemon_password, *key, cfg.shared_password)
+            self._cache[key] = self.context.config.grant(*key)
         grant = self._cache[key]
         if grant is None or not allowed(grant, topic, action):
             if action != Action.RECEIVE:
