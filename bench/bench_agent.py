@@ -216,7 +216,7 @@ async def _subscribe(
     from denpex_agent import wire
 
     async with aiomqtt.Client("127.0.0.1", 1883) as client:
-        await client.subscribe(f"denpex/v1/jobs/{job}/events", qos=1)
+        await client.subscribe(f"denpex/v1/jobs/{job}/from/+/events", qos=1)  # the agent's own topic
         ready.set()
         async for msg in client.messages:
             now = time.time()
