@@ -113,6 +113,9 @@ def run(mode: str, seconds: float) -> dict[str, float]:
         stop_s = time.monotonic() - t0
     if broker is not None:
         broker.stop()
+    if code != 0:  # show why before the directory goes
+        tail = (work / "denpexd.log").read_text(errors="replace").splitlines()[-40:]
+        print(f"--- {mode}: denpexd exited {code}; the end of its log:", *tail, sep="\n", file=sys.stderr)
     shutil.rmtree(work, ignore_errors=True)
     finite = [a for a in api if a != float("inf")]
     return {

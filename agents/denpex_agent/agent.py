@@ -146,7 +146,10 @@ class Agent:
         self._seq = 0
         # End-to-end delivery: once the daemon says (in its clock replies) that it sends receipts,
         # a batch's marks are checkpointed when the daemon confirms storing it, not at PUBACK.
-        self._receipts = False
+        # Until it has said (None), batches wait for a receipt too: a broker may acknowledge a
+        # batch it then drops (the embedded broker refuses batches while the daemon is full). A
+        # daemon that says nothing within `receipt_timeout` is taken at the broker's PUBACK.
+        self._receipts: bool | None = None
         self._unconfirmed: deque[_Sent] = deque()  # in send order
         self._awaiting: dict[tuple[int, float], _Sent] = {}
         self._early: set[tuple[int, float]] = set()  # receipts that overtook their PUBACK
@@ -215,6 +218,8 @@ class Agent:
                             self._queue.qsize(),
                         )
                         send.cancel()
+                    if self._receipts is None:  # no daemon ever answered: the PUBACKs will do
+                        self._confirm_by_puback()
                     with contextlib.suppress(TimeoutError):  # the last receipts
                         await asyncio.wait_for(self._all_confirmed.wait(), max(0.0, until - time.monotonic()))
                     if self._unconfirmed:
@@ -464,7 +469,7 @@ class Agent:
                     self.metrics.events.labels(kind=ev.kind).inc()
                 self.published_events += len(part)
             marks = [mk for i in items for mk in i.marks]
-            if self._receipts:
+            if self._receipts is not False:
                 group = _Sent(sent, marks, size, time.monotonic())
                 self._unconfirmed.append(group)
                 for key in list(sent):  # group.parts is `sent`
@@ -520,7 +525,7 @@ class Agent:
             )
         group = self._awaiting.pop(key, None)
         if group is None:
-            if self._receipts and len(self._early) < 4096:
+            if self._receipts is not False and len(self._early) < 4096:
                 self._early.add(key)  # its PUBACK is still on its way (or it is a late duplicate)
             return
         group.parts.pop(key, None)
@@ -530,13 +535,20 @@ class Agent:
         """The daemon's clock reply says whether it sends receipts."""
         if supported == self._receipts:
             return
-        self._receipts = supported
+        before, self._receipts = self._receipts, supported
         if supported:
             log.info("the daemon confirms what it stores; read positions now follow its receipts")
             return
-        log.warning(
-            "the daemon no longer sends receipts; read positions follow the broker's acknowledgements"
-        )
+        if before is None:
+            log.info("the daemon sends no receipts; read positions follow the broker's acknowledgements")
+        else:
+            log.warning(
+                "the daemon no longer sends receipts; read positions follow the broker's acknowledgements"
+            )
+        self._confirm_by_puback()
+
+    def _confirm_by_puback(self) -> None:
+        """Take every batch sent so far as confirmed by its PUBACK (each was acknowledged)."""
         for group in self._unconfirmed:
             group.parts.clear()
         self._awaiting.clear()
@@ -556,6 +568,13 @@ class Agent:
             now = time.monotonic()
             late = [g for g in list(self._unconfirmed) if g.parts and now - g.sent >= cfg.receipt_timeout]
             if not late:
+                continue
+            if self._receipts is None:  # no daemon has answered: the broker's PUBACKs will do
+                log.info(
+                    "no clock reply from the daemon yet; read positions follow the broker's "
+                    "acknowledgements until it answers"
+                )
+                self._confirm_by_puback()
                 continue
             n = sum(len(g.parts) for g in late)
             # said once a minute at most; every round is counted (denpex_agent_batches_resent_total)

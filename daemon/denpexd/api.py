@@ -31,7 +31,9 @@ from denpexd.jobs import JobTable
 from denpexd.store import Store
 
 log = logging.getLogger(__name__)
-FLUSH_WAIT_S = 1.0  # how long an events request waits for rows still being written
+# How long an events request waits for the rows received before it to be written: they usually
+# are within one commit; under a backlog the answer does not queue behind the writer.
+FLUSH_WAIT_S = 0.25
 
 MAX_EVENTS = 10_000
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]

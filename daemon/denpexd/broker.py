@@ -57,6 +57,7 @@ class EmbeddedBroker:
         on_client_failure: Callable[[], None] | None = None,
         secret: str | None = None,
         shared_password: str | None = None,
+        intake: brokeraccess.Intake | None = None,
     ) -> None:
         self.listen = listen
         self.host, self.port = split_listen(listen)
@@ -64,6 +65,7 @@ class EmbeddedBroker:
         self._on_client_failure = on_client_failure
         self.secret = secret
         self.shared_password = shared_password
+        self.intake = intake
         # the daemon's own ingest connects as `denpexd` with this (brokeraccess)
         self.daemon_password = secrets.token_hex(24)
 
@@ -81,6 +83,7 @@ class EmbeddedBroker:
             "secret": self.secret,
             "daemon_password": self.daemon_password,
             "shared_password": self.shared_password,
+            "intake": self.intake,
         }
         config = {
             "listeners": {"default": {"type": "tcp", "bind": f"{self.host}:{self.port}"}},

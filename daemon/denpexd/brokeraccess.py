@@ -19,6 +19,11 @@ Without either the broker is in local-development mode (the configuration refuse
 unless it listens on loopback only): anyone may connect without credentials and publish agent
 topics as anyone, but diagnoses, alerts and clock replies still come only from the daemon.
 
+While the daemon's ingest is full (it has stopped reading its connection), the broker refuses
+agents' event batches (`Intake`) instead of queueing them in memory without bound: an agent
+checkpoints a batch only once the daemon's receipt says it is stored, so a refused batch is sent
+again (`receipt_timeout`), and nothing is lost.
+
 Both classes are amqtt plugins (its documented extension points, `BaseAuthPlugin` and
 `BaseTopicPlugin`), named in the broker's configuration; each check is a few string
 comparisons and one HMAC per new session, cached.
@@ -29,6 +34,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -121,6 +127,21 @@ def allowed(grant: Grant, topic: str, action: Action) -> bool:
     return where is not None and where.agent == grant.agent and where.node == grant.node
 
 
+class Intake:
+    """Whether the daemon's ingest takes agents' event batches now (set by ingest, read by
+    `Authorize` for every publish)."""
+
+    __slots__ = ("_on_refused", "open")
+
+    def __init__(self, on_refused: Callable[[], None] | None = None) -> None:
+        self.open = True
+        self._on_refused = on_refused
+
+    def refused(self) -> None:
+        if self._on_refused is not None:
+            self._on_refused()
+
+
 @dataclass
 class Access:
     """Both plugins' configuration (amqtt fills it from the broker's `plugins` section)."""
@@ -128,6 +149,7 @@ class Access:
     secret: str | None = None
     daemon_password: str = ""
     shared_password: str | None = None
+    intake: Intake | None = None
 
     def grant(self, username: str | None, password: str | None) -> Grant | None:
         return grant_for(self.secret, self.daemon_password, username, password, self.shared_password)
@@ -178,6 +200,17 @@ class Authorize(BaseTopicPlugin):  # type: ignore[misc]
                 self._cache.clear()
             self._cache[key] = self.context.config.grant(*key)
         grant = self._cache[key]
+        intake = self.context.config.intake
+        if (
+            intake is not None
+            and not intake.open
+            and action == Action.PUBLISH
+            and grant is not None
+            and grant.role != DAEMON
+            and topic.endswith("/events")
+        ):
+            intake.refused()  # sent again by its agent, unconfirmed (see the module docstring)
+            return False
         if grant is None or not allowed(grant, topic, action):
             if action != Action.RECEIVE:
                 log.info(

@@ -38,6 +38,8 @@ class ServeConfig:
     job_idle_close_s: float = 900.0
     max_open_jobs: int = 10_000
     job_queue_batches: int = 64
+    # received messages held for validation; when full, ingest stops reading from the broker
+    ingest_backlog: int = 512
     dedup_ids_per_job: int = 200_000
     debounce_s: float = 0.2
     progress_debounce_s: float = 1.0  # re-diagnosis when only progress/heartbeats arrived
@@ -163,7 +165,7 @@ def _validate(cfg: ServeConfig) -> ServeConfig:
             raise ConfigError("shared_group", "needs --broker: replicas share an external broker")
     if cfg.alertmanager is not None and urlsplit(cfg.alertmanager).scheme not in ("http", "https"):
         raise ConfigError("alertmanager", f"expected an http(s) URL, got {cfg.alertmanager!r}")
-    for key in ("max_open_jobs", "job_queue_batches", "dedup_ids_per_job", "session_expiry_s"):
+    for key in ("max_open_jobs", "job_queue_batches", "ingest_backlog", "dedup_ids_per_job", "session_expiry_s"):
         if getattr(cfg, key) < 1:
             raise ConfigError(key, "must be >= 1")
     for key in (

@@ -1,11 +1,13 @@
-"""MQTT ingest: the daemon's only subscribing aiomqtt module (aiomqtt>=2.5,<3).
+"""MQTT ingest: the daemon's subscribing connection (`mqttconn`, paho-mqtt's external loop).
 
 Subscribes to `wire.SUBSCRIPTIONS`, validates every payload with `wire`, hands valid batches to
 a `BatchSink` (the job table) and answers clock requests. QoS 1 messages are acknowledged only
 after their events are in the store (paho's manual acknowledgement), so a `kill -9` between
 receipt and commit loses nothing: the broker redelivers to the persistent session.
 
-Received messages wait in a bounded backlog for validation. A batch that may carry match events
+Received messages wait in a bounded backlog for validation. When it is full (`ingest_backlog`
+messages or `BACKLOG_BYTES`), ingest stops reading its socket until there is room again: the
+broker's own flow control applies, and the daemon's memory does not grow with the publish rate. A batch that may carry match events
 is validated first and its match events are fed to the job's engine at once (`hoist`), so a
 failure is diagnosed without waiting behind a burst of progress; the batch is still submitted,
 stored and acknowledged at its own place in the backlog.
@@ -17,47 +19,43 @@ import asyncio
 import contextlib
 import itertools
 import logging
-import select
-import socket
 import ssl
 import time
 from collections import deque
 from collections.abc import Callable
 from types import TracebackType
-from typing import Any, Protocol, Self
+from typing import Protocol, Self
 from urllib.parse import unquote, urlsplit
 
-import aiomqtt
 import orjson
-from paho.mqtt.enums import MQTTErrorCode
+import paho.mqtt.client as paho
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
 from denpex_agent import wire
 from denpex_agent.redact import redact_url
 from denpexd import fastwire
-from denpexd.brokeraccess import DAEMON_USER
+from denpexd.brokeraccess import DAEMON_USER, Intake
 from denpexd.config import ServeConfig, split_listen
 from denpexd.errors import BrokerError
 from denpexd.metrics import Metrics, invalid_reason
+from denpexd.mqttconn import TCP_NODELAY, Connection, MqttError
+from denpexd.turns import Turns
 
 log = logging.getLogger(__name__)
 
 Ack = Callable[[], None]
 RECEIVE_MAXIMUM = 256  # QoS 1 deliveries in flight from the broker (v5): their payloads wait in memory
-QOS0_QUEUE_MAX = 10_000  # QoS 0 messages the client may hold before ingest takes them
 RECONNECT_MAX_S = 10.0
-PUBLISH_DRAIN_S = 5.0  # waiting for the broker's PUBACKs of our own messages on disconnect
-# Acks are small packets sent one by one: without TCP_NODELAY, Nagle's algorithm meets the
-# broker's delayed ACK and each QoS 1 window stalls for tens of milliseconds.
-_SOCKET_OPTIONS = ((socket.IPPROTO_TCP, socket.TCP_NODELAY, 1),)
+# On disconnect, waiting for the broker's PUBACKs of our own messages, then for the close; both
+# after the drain, within the stop's margin (serve.STOP_MARGIN_S).
+PUBLISH_DRAIN_S = 2.0
+DISCONNECT_S = 1.0
 
 
 URGENT_SCAN_JOBS = 8
 READ_AHEAD_PACKETS = 64  # at most, per validated message
-YIELD_EVERY = 8  # validated messages between turns given to the other tasks
-BACKLOG_MAX = 2 * RECEIVE_MAXIMUM  # received, not yet validated messages (bounds memory) ...
-BACKLOG_BYTES = 64 << 20  # ... and their payloads' bytes
+BACKLOG_BYTES = 64 << 20  # received, not yet validated payloads' bytes (and `ingest_backlog` messages)
 # A batch that may carry a match event is validated (and its matches hoisted) first. A JSON
 # string "match" is spelled with these bytes unless escaped with \u: no match event is missed,
 # and a false positive costs nothing (hoisting a batch without match events does nothing).
@@ -82,14 +80,13 @@ _RAW, _HOISTED, _DONE = 0, 1, 2
 class _Entry:
     """A received message waiting for validation (`batch` set once validated ahead of turn)."""
 
-    __slots__ = ("ack", "batch", "message", "size", "state")
+    __slots__ = ("ack", "batch", "payload", "size", "state", "topic")
 
-    def __init__(self, message: aiomqtt.Message, ack: Ack) -> None:
-        self.message, self.ack = message, ack
+    def __init__(self, topic: str, payload: bytes, ack: Ack) -> None:
+        self.topic, self.payload, self.ack = topic, payload, ack
         self.batch: wire.Batch | None = None
         self.state = _RAW
-        payload = message.payload
-        self.size = len(payload) if isinstance(payload, (bytes, bytearray)) else 0
+        self.size = len(payload)
 
 
 class Ingest:
@@ -103,25 +100,27 @@ class Ingest:
         *,
         clock: Callable[[], float] = time.time,
         embedded_password: str | None = None,
+        intake: Intake | None = None,
     ) -> None:
         self.cfg = cfg
         self.sink = sink
         self._embedded_password = embedded_password  # the daemon's own login on the embedded broker
         self.metrics = metrics
+        self._intake = intake  # the embedded broker's: closed while reading is paused
         self._clock = clock
-        self._client: aiomqtt.Client | None = None
+        self._conn: Connection | None = None
         self._generation = 0
         self._connected = asyncio.Event()
         self._publishing: set[asyncio.Future[None]] = set()
         self._backlog: deque[_Entry] = deque()
         self._backlog_bytes = 0
+        self._backlog_max = cfg.ingest_backlog
+        metrics.backlog.set_function(lambda: len(self._backlog))
         self._urgent: dict[str, deque[_Entry]] = {}  # job -> its batches carrying match events
         self._pending = asyncio.Event()
         self._draining = False
         self._consumer: asyncio.Task[None] | None = None
         self._validator: asyncio.Task[None] | None = None
-        self._room = asyncio.Event()
-        self._room.set()
         self.external = cfg.broker is not None
         self.address = redact_url(cfg.broker) if cfg.broker else f"mqtt://{cfg.mqtt_listen}"  # as shown
 
@@ -129,58 +128,44 @@ class Ingest:
     def ready(self) -> bool:
         return self._connected.is_set()
 
-    def _new_client(self) -> aiomqtt.Client:
+    def _new_connection(self) -> Connection:
         if self.cfg.broker is None:
             host, port = split_listen(self.cfg.mqtt_listen)
-            client = aiomqtt.Client(
+            return Connection(
                 host,
                 port,
+                client_id=self.cfg.client_id,
+                deliver=self._take,
+                v5=False,
+                clean=True,
                 username=DAEMON_USER if self._embedded_password else None,
                 password=self._embedded_password,
-                identifier=self.cfg.client_id,
-                protocol=aiomqtt.ProtocolVersion.V311,
-                clean_session=True,
-                socket_options=_SOCKET_OPTIONS,
+                socket_options=TCP_NODELAY,
             )
-        else:
-            u = urlsplit(self.cfg.broker)
-            props = Properties(PacketTypes.CONNECT)  # type: ignore[no-untyped-call]
-            props.SessionExpiryInterval = self.cfg.session_expiry_s
-            props.ReceiveMaximum = RECEIVE_MAXIMUM
-            client = aiomqtt.Client(
-                u.hostname or "127.0.0.1",
-                u.port or (8883 if u.scheme == "mqtts" else 1883),
-                username=unquote(u.username) if u.username else None,
-                password=unquote(u.password) if u.password else None,
-                identifier=self.cfg.client_id,
-                protocol=aiomqtt.ProtocolVersion.V5,
-                clean_start=False,
-                properties=props,
-                tls_context=ssl.create_default_context() if u.scheme == "mqtts" else None,
-                socket_options=_SOCKET_OPTIONS,
-            )
-        # Acknowledge QoS 1 deliveries only once the store holds them (see the module docstring).
-        client._client.manual_ack_set(True)
-        # QoS 1 deliveries are bounded by the broker's in-flight window (RECEIVE_MAXIMUM); QoS 0
-        # ones are not, so while ingest is behind they are shed (and counted) instead of queued
-        # without bound in the client.
-        deliver: Any = client._client.on_message
-        queue = client._queue
-        shed = self.metrics.messages_shed
-
-        def on_message(paho: Any, userdata: Any, message: Any) -> None:
-            if message.qos == 0 and queue.qsize() >= QOS0_QUEUE_MAX:
-                shed.inc()
-                return
-            deliver(paho, userdata, message)
-
-        client._client.on_message = on_message
-        return client
+        u = urlsplit(self.cfg.broker)
+        props = Properties(PacketTypes.CONNECT)  # type: ignore[no-untyped-call]
+        props.SessionExpiryInterval = self.cfg.session_expiry_s
+        props.ReceiveMaximum = RECEIVE_MAXIMUM
+        # Acks are small packets sent one by one: without TCP_NODELAY, Nagle's algorithm meets
+        # the broker's delayed ACK and each QoS 1 window stalls for tens of milliseconds.
+        return Connection(
+            u.hostname or "127.0.0.1",
+            u.port or (8883 if u.scheme == "mqtts" else 1883),
+            client_id=self.cfg.client_id,
+            deliver=self._take,
+            v5=True,
+            clean=False,
+            username=unquote(u.username) if u.username else None,
+            password=unquote(u.password) if u.password else None,
+            properties=props,
+            tls_context=ssl.create_default_context() if u.scheme == "mqtts" else None,
+            socket_options=TCP_NODELAY,
+        )
 
     async def __aenter__(self) -> Self:
         try:
             await self._connect()
-        except aiomqtt.MqttError as exc:
+        except MqttError as exc:
             raise BrokerError(self.address, f"cannot connect: {exc}") from exc
         return self
 
@@ -190,35 +175,32 @@ class Ingest:
         await self._disconnect()
 
     async def _connect(self) -> None:
-        client = self._new_client()
-        await client.__aenter__()
-        try:
-            for topic in subscriptions(self.cfg.shared_group):
-                await client.subscribe(topic, qos=1)
-        except aiomqtt.MqttError:
-            await client.__aexit__(None, None, None)
-            raise
-        self._client = client
+        conn = self._new_connection()
         self._generation += 1
+        self._conn = conn  # deliveries may arrive as soon as the subscription is made
+        try:
+            await conn.connect()
+            await conn.subscribe(subscriptions(self.cfg.shared_group), qos=1)
+        except MqttError:
+            self._conn = None
+            await conn.disconnect(timeout=1.0)
+            raise
         self._connected.set()
         log.info("connected to MQTT broker address=%s client_id=%s", self.address, self.cfg.client_id)
 
     async def _disconnect(self) -> None:
         if self._publishing:
             await asyncio.wait(set(self._publishing), timeout=PUBLISH_DRAIN_S)
-        client, self._client = self._client, None
+        conn, self._conn = self._conn, None
         self._connected.clear()
-        if client is not None:
-            try:
-                await client.__aexit__(None, None, None)
-            except aiomqtt.MqttError as exc:
-                log.debug("disconnect failed error=%s", exc)
+        if conn is not None:
+            await conn.disconnect(timeout=DISCONNECT_S)
 
     async def run(self) -> None:
         """Consume until cancelled; reconnect with backoff when the broker goes away.
 
-        Received messages wait in a backlog (bounded by `BACKLOG_MAX`, beyond the broker's
-        window) for `_validate`; a batch carrying match events is validated and handed to the
+        Received messages wait in a backlog (bounded by `ingest_backlog` and `BACKLOG_BYTES`;
+        reading stops while it is full) for `_validate`; a batch carrying match events is validated and handed to the
         sink's `hoist` ahead of that backlog, then submitted at its own place in it.
         """
         consume = self._consumer = asyncio.create_task(self._consume(), name="ingest-consume")
@@ -238,18 +220,23 @@ class Ingest:
                     await task
 
     async def drain(self) -> None:
-        """Stop reading from the broker, then validate and hand over what was received (the
-        sink acknowledges it once stored); `run()` returns when that is done."""
+        """Stop taking deliveries, then validate and hand over what was received (the sink
+        acknowledges it once stored); `run()` returns when that is done. Deliveries read after
+        this are left unacknowledged: the broker sends them again to the next session."""
         self._draining = True
         if self._consumer is not None:
             self._consumer.cancel()
+        if self._intake is not None:
+            self._intake.open = False  # nothing more is taken: the embedded broker refuses batches
+        if self._conn is not None:
+            self._conn.resume_reading()  # deliveries are ignored now, but our PUBACKs must be read
         self._pending.set()
         if self._validator is not None:
             await asyncio.wait({self._validator})
 
     async def _validate(self) -> None:
         backlog, urgent = self._backlog, self._urgent
-        turns = 0
+        turns = Turns()
         while True:
             if urgent:
                 entry = self._next_urgent()
@@ -261,15 +248,13 @@ class Ingest:
             elif backlog:
                 entry = backlog.popleft()
                 self._backlog_bytes -= entry.size
-                if self._has_room():
-                    self._room.set()
                 if entry.state == _RAW:
                     batch = self._decode(entry)
                     if batch is not None:
-                        await self.sink.submit(batch, entry.ack, _payload(entry))
+                        await self.sink.submit(batch, entry.ack, entry.payload)
                 elif entry.state == _HOISTED:
                     assert entry.batch is not None
-                    await self.sink.submit(entry.batch, entry.ack, _payload(entry))
+                    await self.sink.submit(entry.batch, entry.ack, entry.payload)
                 entry.state = _DONE
             elif self._draining:
                 return
@@ -277,78 +262,71 @@ class Ingest:
                 self._pending.clear()
                 await self._pending.wait()
                 continue
-            if self._has_room() and not self._draining:
-                self._read_ahead()
-                if self._client is not None:
-                    self._take_queued(self._client)  # what was read may be urgent: look at it now
-            turns += 1
-            if turns % YIELD_EVERY == 0:
-                await asyncio.sleep(0)  # the worker, the diagnoser and the HTTP API get a turn
-
-    def _take_queued(self, client: aiomqtt.Client) -> None:
-        """Move what aiomqtt's queue holds (whatever paho has read already) into the backlog."""
-        queue = client._queue
-        while queue.qsize() and self._has_room():
-            self._take(client, queue.get_nowait())
+            conn = self._conn
+            if conn is not None and not self._draining:
+                if conn.paused and self._room_to_resume():
+                    conn.resume_reading()
+                    if self._intake is not None:
+                        self._intake.open = True
+                # Read the deliveries already in the socket now: the loop's reader callback
+                # reads only when the loop gets a turn, so a batch carrying a failure would
+                # otherwise wait in the socket until everything read before it was validated.
+                conn.read_now(READ_AHEAD_PACKETS)
+            await turns.share()  # the worker, the diagnoser and the HTTP API get a turn
 
     def _has_room(self) -> bool:
         """Whether the backlog may take more (bounded in messages and in bytes)."""
-        return len(self._backlog) < BACKLOG_MAX and self._backlog_bytes < BACKLOG_BYTES
+        return len(self._backlog) < self._backlog_max and self._backlog_bytes < BACKLOG_BYTES
 
-    def _read_ahead(self) -> None:
-        """Read the deliveries already in the socket now. The event loop's reader callback has
-        paho read one packet per wake-up, so a batch behind a backlog would otherwise stay in the
-        socket until everything before it was validated."""
-        client = self._client
-        if client is None:
-            return
-        paho = client._client
-        sock = paho.socket()
-        if sock is None:
-            return
-        pending = getattr(sock, "pending", None)  # TLS: bytes already decrypted
-        for _ in range(READ_AHEAD_PACKETS):
-            if not (pending is not None and pending()) and not select.select((sock,), (), (), 0)[0]:
-                return
-            if paho.loop_read() != MQTTErrorCode.MQTT_ERR_SUCCESS:
-                return
+    def _room_to_resume(self) -> bool:
+        """Whether reading, once paused, may resume: the backlog is half empty."""
+        return len(self._backlog) <= self._backlog_max // 2 and self._backlog_bytes <= BACKLOG_BYTES // 2
 
     async def _consume(self) -> None:
+        """Keep the connection: wait for its loss, then reconnect with backoff."""
         delay = 0.2
         while True:
-            client = self._client
-            if client is None:
+            conn = self._conn
+            if conn is None:
                 try:
                     await self._connect()
                     delay = 0.2
-                except aiomqtt.MqttError as exc:
+                except MqttError as exc:
                     log.warning("broker unreachable; retrying address=%s error=%s", self.address, exc)
                     await asyncio.sleep(delay)
                     delay = min(delay * 2, RECONNECT_MAX_S)
                 continue
-            try:
-                async for message in client.messages:
-                    self._take(client, message)
-                    # the iterator costs a task and an `asyncio.wait` per message: take the rest
-                    # directly, so a batch behind them is seen (and possibly hoisted) now
-                    self._take_queued(client)
-                    if not self._has_room():
-                        self._room.clear()
-                        await self._room.wait()
-            except aiomqtt.MqttError as exc:
-                log.warning("broker connection lost; reconnecting address=%s error=%s", self.address, exc)
-                self._client = None
-                self._connected.clear()
+            reason = await conn.wait_closed()
+            log.warning("broker connection lost; reconnecting address=%s error=%s", self.address, reason)
+            if self._conn is conn:
+                self._conn = None
+            self._connected.clear()
 
-    def _take(self, client: aiomqtt.Client, message: aiomqtt.Message) -> None:
-        entry = _Entry(message, self._acker(client, message))
+    def _take(self, message: paho.MQTTMessage) -> None:
+        """A delivery, as read from the socket (`Connection`'s callback)."""
+        conn = self._conn
+        if self._draining or conn is None:
+            return  # not acknowledged: the broker sends it again to the next session
+        try:
+            topic = message.topic
+        except UnicodeDecodeError:
+            self.metrics.batches_invalid.labels("topic").inc()
+            log.warning("invalid message dropped reason=topic error=topic is not UTF-8")
+            conn.ack(message.mid, message.qos)
+            return
+        payload = message.payload if isinstance(message.payload, bytes) else bytes(message.payload)
+        entry = _Entry(topic, payload, self._acker(conn, message))
         self._backlog.append(entry)
         self._backlog_bytes += entry.size
-        payload = message.payload
-        if isinstance(payload, bytes) and (_MATCH in payload or _ESCAPE in payload):
-            job = _topic_job(message.topic.value)
+        if _MATCH in payload or _ESCAPE in payload:
+            job = _topic_job(topic)
             if job is not None:
                 self._urgent.setdefault(job, deque()).append(entry)
+        if not self._has_room() and not conn.paused:
+            conn.pause_reading()  # until the validator has made room
+            if self._intake is not None:
+                self._intake.open = False  # and the embedded broker refuses agents' batches
+            self.metrics.read_pauses.inc()
         self._pending.set()
 
     def _next_urgent(self) -> _Entry:
@@ -369,22 +347,20 @@ class Ingest:
             del urgent[pick]
         return entry
 
-    def _acker(self, client: aiomqtt.Client, message: aiomqtt.Message) -> Ack:
+    def _acker(self, conn: Connection, message: paho.MQTTMessage) -> Ack:
         generation, mid, qos = self._generation, message.mid, message.qos
 
         def ack() -> None:
-            if qos > 0 and generation == self._generation and self._client is client:
-                client._client.ack(mid, qos)
+            if qos > 0 and generation == self._generation and self._conn is conn:
+                conn.ack(mid, qos)
 
         return ack
 
     def _decode(self, entry: _Entry) -> wire.Batch | None:
         """A valid event batch, or None once anything else was handled (status, clock request,
         invalid message: counted, logged, acknowledged)."""
-        message, ack = entry.message, entry.ack
+        topic, payload, ack = entry.topic, entry.payload, entry.ack
         entry.state = _DONE
-        topic = message.topic.value
-        payload = message.payload if isinstance(message.payload, bytes) else b""
         try:
             where = wire.parse_topic(topic)
             job = where.job
@@ -483,26 +459,23 @@ class Ingest:
         consumed. Messages leave in the order of the calls; the confirmation is awaited in the
         background (and on disconnect, within `PUBLISH_DRAIN_S`).
         """
-        if self._publish_nowait(topic, payload, retain, qos):
-            await asyncio.sleep(0)  # let the task hand the message to the client now, in call order
+        self._publish_nowait(topic, payload, retain, qos)
 
     def _publish_nowait(self, topic: str, payload: bytes, retain: bool, qos: int) -> bool:
-        client = self._client
-        if client is None:
+        conn = self._conn
+        if conn is None:
             log.warning("publish skipped: not connected topic=%s", topic)
             return False
-        task = asyncio.ensure_future(self._publish(client, topic, payload, retain, qos))
-        self._publishing.add(task)
-        task.add_done_callback(self._publishing.discard)
+        done = conn.publish(topic, payload, qos=qos, retain=retain)
+        self._publishing.add(done)
+        done.add_done_callback(self._published)
         return True
 
-    async def _publish(
-        self, client: aiomqtt.Client, topic: str, payload: bytes, retain: bool, qos: int
-    ) -> None:
-        try:
-            await client.publish(topic, payload, qos=qos, retain=retain)
-        except aiomqtt.MqttError as exc:
-            log.warning("publish failed topic=%s error=%s", topic, exc)
+    def _published(self, done: asyncio.Future[None]) -> None:
+        self._publishing.discard(done)
+        exc = None if done.cancelled() else done.exception()
+        if exc is not None:
+            log.warning("publish failed error=%s", exc)
 
 
 def _topic_job(topic: str) -> str | None:
@@ -511,11 +484,6 @@ def _topic_job(topic: str) -> str | None:
     except wire.WireError:
         return None
     return where.job if where.kind == "events" else None
-
-
-def _payload(entry: _Entry) -> bytes | None:
-    payload = entry.message.payload
-    return payload if isinstance(payload, bytes) else None
 
 
 def _sender(payload: bytes) -> str:

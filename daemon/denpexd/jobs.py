@@ -37,6 +37,7 @@ from denpexd.errors import StoreError
 from denpexd.ingest import Ack
 from denpexd.metrics import Metrics
 from denpexd.store import EventRow, EventWriter, Store, event_row, progress_batch_row
+from denpexd.turns import Turns
 
 log = logging.getLogger(__name__)
 
@@ -412,6 +413,7 @@ class JobTable:
     # -- the worker ---------------------------------------------------------------------------------
 
     async def run_worker(self) -> None:
+        turns = Turns()
         while True:
             await self._work.wait()
             self._work.clear()
@@ -433,6 +435,7 @@ class JobTable:
                         ack()
                     if self.jobs.get(job) is not state:
                         break
+                    await turns.share()
             self._busy = False
 
     async def _process(

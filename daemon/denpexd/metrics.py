@@ -60,7 +60,17 @@ class Metrics:
         self.batches = Counter("denpex_ingest_batches_total", "Valid event batches received", registry=r)
         self.messages_shed = Counter(
             "denpex_ingest_messages_shed_total",
-            "QoS 0 messages not taken because ingest was behind (QoS 1 is bounded by the broker)",
+            "Agent event batches the embedded broker refused while ingest was full (their agents send them again)",
+            registry=r,
+        )
+        self.backlog = Gauge(
+            "denpex_ingest_backlog_messages",
+            "Received messages waiting for validation (at most ingest_backlog)",
+            registry=r,
+        )
+        self.read_pauses = Counter(
+            "denpex_ingest_read_pauses_total",
+            "Times ingest stopped reading from the broker because its backlog was full",
             registry=r,
         )
         self.batches_invalid = Counter(

@@ -28,6 +28,7 @@ from denpex_agent.watchdog import stop_watchdog
 from denpexd.alerts import Alerter, AlertmanagerSink, AlertSink, MqttSink
 from denpexd.api import Api
 from denpexd.broker import EmbeddedBroker
+from denpexd.brokeraccess import Intake
 from denpexd.config import ServeConfig
 from denpexd.errors import ConfigError, DenpexdError
 from denpexd.ingest import Ingest
@@ -136,13 +137,16 @@ class App:
                 Store(cfg.store_path, set_aside_damaged=self.set_aside_damaged_store)
             )
             embedded_password = None
+            intake = None
             if cfg.broker is None:
+                intake = Intake(on_refused=self.metrics.messages_shed.inc)
                 embedded = await stack.enter_async_context(
                     EmbeddedBroker(
                         cfg.mqtt_listen,
                         on_client_failure=self.metrics.broker_client_failures.inc,
                         secret=cfg.agent_secret,
                         shared_password=cfg.agent_password,
+                        intake=intake,
                     )
                 )
                 embedded_password = embedded.daemon_password
@@ -156,7 +160,7 @@ class App:
             alerter.gate = table.alert_wait
             await table.restore()
             ingest = await stack.enter_async_context(
-                Ingest(cfg, table, self.metrics, embedded_password=embedded_password)
+                Ingest(cfg, table, self.metrics, embedded_password=embedded_password, intake=intake)
             )
             table.bus = ingest
             sinks.append(MqttSink(ingest))
@@ -183,13 +187,21 @@ class App:
                     tg.create_task(self._retention(store), name="retention"),
                 ]
                 await self._stop.wait()
+                t0, stage = time.monotonic(), "ingest"
                 try:
                     async with asyncio.timeout(self.loaded.cfg.shutdown_timeout_s):
                         await ingest.drain()  # stops reading; hands over what was received
+                        stage = "jobs"
                         await table.drain()
+                        stage = "alerts"
                         await alerter.drain()
                 except TimeoutError:
-                    log.warning("shutdown timeout: some batches were not drained (they stay unacknowledged)")
+                    log.warning(
+                        "shutdown timeout: some batches were not drained (they stay unacknowledged) "
+                        "stage=%s seconds=%.1f", stage, time.monotonic() - t0,
+                    )  # fmt: skip
+                else:
+                    log.info("drained seconds=%.1f", time.monotonic() - t0)
                 consumer.cancel()
                 for task in workers:
                     task.cancel()

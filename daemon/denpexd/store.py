@@ -58,6 +58,10 @@ _MIGRATIONS: tuple[str, ...] = (
         seq INTEGER PRIMARY KEY, job TEXT, agent TEXT, received REAL NOT NULL, stage TEXT NOT NULL,
         error TEXT NOT NULL, payload BLOB NOT NULL);
     """,
+    # 4: a job's events in arrival order without sorting them all (the API's first page)
+    """
+    CREATE INDEX events_job_seq ON events (job, seq);
+    """,
 )
 
 BATCH = "batch"  # the `kind` of a row that holds a whole batch of progress events
@@ -500,6 +504,9 @@ class EventWriter:
         self._room.set()
         self._idle = asyncio.Event()
         self._idle.set()
+        self._added = 0  # deliveries added so far ...
+        self._settled = 0  # ... and written (or dead-lettered) and acknowledged, in order
+        self._watchers: deque[tuple[int, asyncio.Future[None]]] = deque()
         self.written = 0
 
     async def add(
@@ -511,6 +518,7 @@ class EventWriter:
             self._room.clear()
             await self._room.wait()
         self._adds.append((rows, job, first, last, ack))
+        self._added += 1
         self._buffered += len(rows)
         self._bytes += sum(len(r[7]) for r in rows)
         self._idle.clear()
@@ -542,10 +550,20 @@ class EventWriter:
                     self.written += await self._write(rows, jobs)
                 except Exception:  # not a full disk (that waits in _write): a fault of the rows
                     await self._one_by_one(group)
+                    self._settle(len(group))
                     continue
                 for entry in group:
                     entry[4]()
+                self._settle(len(group))
             self._idle.set()
+
+    def _settle(self, deliveries: int) -> None:
+        self._settled += deliveries
+        watchers = self._watchers
+        while watchers and watchers[0][0] <= self._settled:
+            _, fut = watchers.popleft()
+            if not fut.done():
+                fut.set_result(None)
 
     async def _write(self, rows: list[EventRow], jobs: dict[str, tuple[float, float]]) -> int:
         """Write, waiting (and trying again) for as long as the disk is full."""
@@ -586,5 +604,10 @@ class EventWriter:
             ack()
 
     async def flush(self) -> None:
-        """Wait until everything added so far is committed and acknowledged."""
-        await self._idle.wait()
+        """Wait until everything added so far is committed and acknowledged (and nothing more:
+        what is added meanwhile does not extend the wait)."""
+        if self._settled >= self._added:
+            return
+        fut = asyncio.get_running_loop().create_future()
+        self._watchers.append((self._added, fut))  # targets only grow: the deque stays sorted
+        await fut

@@ -1,4 +1,4 @@
-"""kill -9 while agents stream: nothing an agent read is lost, in either broker mode.
+"""kill -9 and floods while agents stream: nothing an agent read is lost, in either broker mode.
 
 * The daemon with its embedded broker is killed and restarted again and again. The broker dies
   with it, after having acknowledged batches the daemon had not stored yet; the agents learn it
@@ -7,6 +7,10 @@
   restarted again and again under the daemon and the agents. It forgets what it acknowledged
   since its last save (and, if never saved, the daemon's session); again the receipts bring
   every batch in.
+* No kill, but a publisher floods the daemon with another job's batches: ingest stops reading
+  from the broker whenever its backlog is full; Mosquitto holds (or drops beyond its queue
+  limit) what waits, the embedded broker refuses agents' batches meanwhile, and the receipts
+  bring every batch in.
 
 Real `denpexd serve`, real `denpex-agent` processes, a real Mosquitto, real files. The figures
 (written, stored, lost, sent again, kills) are printed; the store is read directly at the end.
@@ -27,8 +31,12 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+import paho.mqtt.client as paho
 import pytest
+from paho.mqtt.enums import CallbackAPIVersion
 
+from denpex_agent import wire
+from denpex_agent.events import Event
 from tests.integration.agent_harness import PrivateBroker, agent_cmd, start_agent, stop
 from tests.integration.replay import Daemon
 
@@ -94,7 +102,12 @@ def _stored(data_dir: Path, job: str) -> set[str]:
 
 
 async def _stream_with_kills(
-    tmp_path: Path, daemon: Daemon, port: int, kill: object, extra: list[str]
+    tmp_path: Path,
+    daemon: Daemon,
+    port: int,
+    kill: object,
+    extra: list[str],
+    stop_flood: threading.Event | None = None,
 ) -> str:
     job = f"kill9-{uuid.uuid4().hex[:8]}"
     logs = tmp_path / "logs"
@@ -114,11 +127,14 @@ async def _stream_with_kills(
         thread.start()
         for _ in range(KILLS):
             await asyncio.sleep(KILL_EVERY_S)
-            await kill()  # type: ignore[operator]
-            kills += 1
+            if kill is not None:
+                await kill()  # type: ignore[operator]
+                kills += 1
         await asyncio.sleep(KILL_EVERY_S)
         writer.stop.set()
         thread.join()
+        if stop_flood is not None:
+            stop_flood.set()  # what the agents have not had confirmed comes in now
         # every marker written reaches the store (the agents re-send what was never confirmed)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
@@ -226,3 +242,103 @@ async def test_daemon_kill9_with_mosquitto_loses_nothing(tmp_path: Path) -> None
     finally:
         await daemon.stop()
         broker.stop()
+
+
+def _metric(text: str, name: str) -> float:
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " "))
+
+
+def _flood(port: int, job: str, stop: threading.Event, v5: bool) -> int:
+    """Another job's batches (200 failure events each) at QoS 1, as fast as the broker takes
+    them, until ``stop``; the number the broker acknowledged."""
+    client = paho.Client(
+        CallbackAPIVersion.VERSION2, client_id=f"flood-{job}", protocol=paho.MQTTv5 if v5 else paho.MQTTv311
+    )
+    client.max_inflight_messages_set(100)
+    client.connect("127.0.0.1", port)
+    client.loop_start()
+    seq = acked = 0
+    infos = []
+    try:
+        while not stop.is_set():
+            seq += 1
+            now = time.time()
+            events = [
+                Event(
+                    id=f"f{seq}-{i}",
+                    kind="match",
+                    job=job,
+                    node="n9",
+                    rank=i % 64,
+                    local_rank=i % 8,
+                    file="rank.log",
+                    offset=seq * 200 + i,
+                    line_no=seq * 200 + i,
+                    ts=now,
+                    ts_source="line",
+                    rule="nccl-remote-error",
+                    category="communication",
+                    severity="error",
+                    role="collateral",
+                    text=f"NCCL error: remote process exited or there was a network error {seq}-{i}",
+                )
+                for i in range(200)
+            ]
+            info = client.publish(
+                wire.events_topic(job), wire.encode_batch("n9", job, "n9", seq, now, events), qos=1
+            )
+            infos.append(info)
+            if len(infos) >= 100:
+                first = infos.pop(0)
+                first.wait_for_publish(timeout=10)
+                acked += first.is_published()
+    finally:
+        client.disconnect()
+        client.loop_stop()
+    return acked + sum(1 for i in infos if i.is_published())
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("mode", ["embedded", "mosquitto"])
+async def test_agents_lose_nothing_while_another_job_floods_the_daemon(tmp_path: Path, mode: str) -> None:
+    """A publisher floods the daemon with another job's batches at full speed while the agents
+    stream (`ingest_backlog = 8`: the daemon stops reading from the broker often). Mosquitto
+    holds what waits (and drops beyond its queue limit); the embedded broker refuses batches
+    while ingest is full (counted). The agents send again what was not confirmed: nothing is lost."""
+    config = tmp_path / "denpexd.toml"
+    config.write_text("ingest_backlog = 8\n")
+    broker = _private_broker(tmp_path, shipped_persistence=False) if mode == "mosquitto" else None
+    if broker is None:
+        daemon = Daemon(tmp_path / "data", "--config", str(config))
+        port = daemon.mqtt_port
+    else:
+        daemon = Daemon(
+            tmp_path / "data", "--config", str(config), "--client-id", f"denpexd-bp-{uuid.uuid4().hex[:8]}",
+            broker=f"mqtt://127.0.0.1:{broker.port}",
+        )  # fmt: skip
+        port = broker.port
+    await daemon.start()
+    stop_flood = threading.Event()
+    flood = asyncio.create_task(
+        asyncio.to_thread(_flood, port, f"flood-{uuid.uuid4().hex[:8]}", stop_flood, broker is not None)
+    )
+
+    try:
+        extra = ["--mqtt-version", "3.1.1"] if broker is None else []
+        await _stream_with_kills(tmp_path, daemon, port, None, extra, stop_flood=stop_flood)
+        _, metrics = await daemon.get("/metrics")
+        pauses = _metric(metrics, "denpex_ingest_read_pauses_total")
+        refused = _metric(metrics, "denpex_ingest_messages_shed_total")
+        print(
+            f"{mode}: reading paused {pauses:.0f} times, batches refused by the embedded broker {refused:.0f}"
+        )
+        assert pauses > 0
+        if broker is None:
+            assert refused > 0  # and yet nothing was lost: the agents sent those again
+    finally:
+        stop_flood.set()
+        flooded = await flood
+        print(f"{mode}: flood batches acknowledged by the broker {flooded}")
+        await daemon.stop()
+        if broker is not None:
+            broker.stop()
