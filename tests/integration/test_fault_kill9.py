@@ -87,18 +87,23 @@ class Writer:
             time.sleep(0.02)
 
 
-def _stored(data_dir: Path, job: str) -> set[str]:
+def _stored_rows(data_dir: Path, job: str) -> list[str]:
+    """The marker of every stored failure event of ``job`` (one per row)."""
     db = sqlite3.connect(data_dir / "denpex.sqlite")
     try:
         rows = db.execute("SELECT doc FROM events WHERE job = ? AND kind = 'match'", (job,)).fetchall()
     finally:
         db.close()
-    out = set()
+    out = []
     for (doc,) in rows:
         m = MARKER.search(orjson.loads(doc).get("text", ""))
         if m:
-            out.add(m.group(1))
+            out.append(m.group(1))
     return out
+
+
+def _stored(data_dir: Path, job: str) -> set[str]:
+    return set(_stored_rows(data_dir, job))
 
 
 async def _stream_with_kills(
@@ -146,18 +151,21 @@ async def _stream_with_kills(
         codes = [stop(proc) for proc in procs]
     for node, code in enumerate(codes):  # the agents lived through it all and stopped cleanly
         assert code == 0, (tmp_path / f"agent-{node}.log").read_text(errors="replace")[-3000:]
-    stored = await asyncio.to_thread(_stored, daemon.data_dir, job)
+    rows = await asyncio.to_thread(_stored_rows, daemon.data_dir, job)
+    stored = set(rows)
     resent = 0
     for node in range(NODES):
         text = (tmp_path / f"agent-{node}.log").read_text(errors="replace")
         resent += len(re.findall(r"sending batches again batches=(\d+)", text))
     lost = writer.written - stored
+    duplicated = len(rows) - len(stored)  # a re-sent event is dropped by its id: never stored twice
     summary = (
         f"written {len(writer.written)}, stored {len(stored & writer.written)}, lost {len(lost)}, "
-        f"re-sends logged {resent}, kills {kills}"
+        f"duplicated {duplicated}, re-sends logged {resent}, kills {kills}"
     )
     print(summary)
     assert not lost, f"{summary}; e.g. {sorted(lost)[:5]}"
+    assert duplicated == 0, summary
     return summary
 
 

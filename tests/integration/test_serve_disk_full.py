@@ -121,6 +121,10 @@ async def test_a_full_disk_is_said_waited_out_and_nothing_is_lost(tmp_path: Path
             assert stored == EVENTS, f"{stored} of {EVENTS} events stored after the disk had room again"
             _, metrics = await daemon.get("/metrics")
             assert _gauge(metrics, "denpex_store_full") == 0.0
+            print(
+                f"disk full: written {EVENTS}, stored {stored}, lost {EVENTS - stored}; the daemon "
+                f"said so naming {disk / 'data'}, stayed up and resumed when the disk had room"
+            )
         finally:
             assert await daemon.stop() == 0
             await forget_session(client_id)

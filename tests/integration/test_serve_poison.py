@@ -117,6 +117,11 @@ async def test_poison_is_refused_counted_and_survived(tmp_path: Path, broker: st
             assert status == 200 and doc["verdict"] == "failed"
         status, _ = await daemon.get(f"/api/v1/jobs/{job}/events?rank=99999999999999999999999")
         assert status == 400
+        print(
+            f"poison ({broker}): {len(poison)} messages refused by reason (range "
+            f"{_count(metrics, 'range'):.0f}, nesting {_count(metrics, 'nesting'):.0f}), the daemon alive"
+            f"{' across a restart on the same session' if external else ''}, the next valid batch taken"
+        )
     finally:
         assert await daemon.stop() == 0
         if external:
