@@ -54,6 +54,9 @@ _HELP = {
     "agent id followed by /NODE when the two differ, which is what the brokers' ACLs expect)",
     "password": "broker password; prefer DENPEX_PASSWORD (a flag shows in ps). For denpexd's embedded "
     "broker, `denpexd credential --agent ID` prints it",
+    "password_file": "a file holding the broker password, read again at every connection: on "
+    "Kubernetes, the pod's projected service-account token, which the kubelet renews (denpexd's "
+    "agent_token_keys; deploy/k8s/training-job-example.yaml)",
     "topic_style": "sender (default): every topic names this agent, so a broker can hold it to its "
     "own; job: one events topic per job, for daemon replicas behind a broker's shared "
     "subscription that hashes topics to replicas (EMQX hash_topic, deploy/broker/emqx.conf)",

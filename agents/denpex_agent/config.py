@@ -70,6 +70,7 @@ class AgentConfig:
     broker: str = "mqtt://127.0.0.1:1883"
     username: str | None = None
     password: str | None = None
+    password_file: str | None = None  # read at every connection (a token the platform renews)
     ca_file: str | None = None
     cert_file: str | None = None
     key_file: str | None = None
@@ -114,6 +115,7 @@ _FIELD_TYPES: dict[str, type] = {
     "broker": str,
     "username": str,
     "password": str,
+    "password_file": str,
     "ca_file": str,
     "cert_file": str,
     "key_file": str,
@@ -223,7 +225,9 @@ def validate(values: Mapping[str, Any]) -> AgentConfig:
         raise ConfigError("mqtt_version must be auto, 5 or 3.1.1")
     if cfg.topic_style not in ("sender", "job"):
         raise ConfigError("topic_style must be sender or job")
-    for key in ("ca_file", "cert_file", "key_file"):
+    if cfg.password_file is not None and (cfg.password or url.password):
+        raise ConfigError("password and password_file: give one of them")
+    for key in ("ca_file", "cert_file", "key_file", "password_file"):
         path = getattr(cfg, key)
         if path and not Path(path).is_file():
             raise ConfigError(f"{key} {path}: no such file")

@@ -140,7 +140,21 @@ class Publisher:
         cfg, url = self.cfg, self.url
         if cfg.username or url.username:
             return cfg.username or url.username
-        return wire.principal(cfg.agent, cfg.node) if (cfg.password or url.password) else None
+        secret = cfg.password or url.password or cfg.password_file
+        return wire.principal(cfg.agent, cfg.node) if secret else None
+
+    def _password(self) -> str | None:
+        """The broker password: as configured, or read from `password_file` now (it may have
+        been renewed since the last connection)."""
+        cfg = self.cfg
+        if cfg.password_file is None:
+            return cfg.password or self.url.password
+        try:
+            with open(cfg.password_file, encoding="utf-8") as fh:
+                return fh.read().strip() or None
+        except (OSError, UnicodeDecodeError) as exc:
+            log.warning("cannot read the password file path=%s error=%s", cfg.password_file, exc)
+            return None
 
     async def __aenter__(self) -> Publisher:
         def stray(context: dict[str, Any]) -> bool:
@@ -202,7 +216,7 @@ class Publisher:
             url.host,
             url.port,
             username=self._username,
-            password=cfg.password or url.password,
+            password=self._password(),
             identifier=f"denpex-agent-{cfg.agent}",
             protocol=protocol,
             will=last_will if will else None,

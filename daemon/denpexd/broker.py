@@ -22,6 +22,7 @@ from denpex_agent.errors import divert_loop_errors
 from denpexd import brokeraccess
 from denpexd.config import split_listen
 from denpexd.errors import BrokerError
+from denpexd.podidentity import PodTokens
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +59,7 @@ class EmbeddedBroker:
         secret: str | None = None,
         shared_password: str | None = None,
         intake: brokeraccess.Intake | None = None,
+        tokens: PodTokens | None = None,
     ) -> None:
         self.listen = listen
         self.host, self.port = split_listen(listen)
@@ -66,6 +68,7 @@ class EmbeddedBroker:
         self.secret = secret
         self.shared_password = shared_password
         self.intake = intake
+        self.tokens = tokens
         # the daemon's own ingest connects as `denpexd` with this (brokeraccess)
         self.daemon_password = secrets.token_hex(24)
 
@@ -84,6 +87,7 @@ class EmbeddedBroker:
             "daemon_password": self.daemon_password,
             "shared_password": self.shared_password,
             "intake": self.intake,
+            "tokens": self.tokens,
         }
         config = {
             "listeners": {"default": {"type": "tcp", "bind": f"{self.host}:{self.port}"}},
@@ -99,14 +103,19 @@ class EmbeddedBroker:
         except Exception as exc:  # amqtt raises its own BrokerError wrapping OSError
             raise BrokerError(self.listen, f"embedded broker failed to start: {exc}") from exc
         self._broker = broker
+        access_modes = [
+            name
+            for name, on in (
+                ("per-agent credentials", self.secret),
+                ("pod service-account tokens", self.tokens),
+                ("one password for all agents", self.shared_password),
+            )
+            if on
+        ]
         log.info(
             "embedded MQTT broker listening address=%s protocol=3.1.1 access=%s",
             self.listen,
-            "per-agent credentials"
-            if self.secret
-            else "one password for all agents"
-            if self.shared_password
-            else "local development (anyone on loopback)",
+            ", ".join(access_modes) or "local development (anyone on loopback)",
         )
         return self
 

@@ -10,8 +10,10 @@ agent sends can speak for another agent or another node. Readers (dashboards, ch
 password derived for ``reader`` and their name: they may read everything under ``denpex/v1``
 and publish nothing. The daemon's own ingest connects with a random password made at start.
 
-Where agents' names and nodes are only known once they run (Kubernetes pods), `agent_password`
-is the weaker alternative: one password for every agent. It keeps out whoever does not hold it,
+Where agents' names and nodes are only known once they run (Kubernetes pods), each agent logs
+in with its pod's service-account token (`agent_token_keys`, `podidentity`): the cluster's
+signature binds it to the pod and its node, so the agent is held to that principal's topics.
+`agent_password` is the weaker alternative for clusters whose tokens do not name the node: one password for every agent. It keeps out whoever does not hold it,
 and each agent is still held to the topics of the principal it connects as, but a holder may
 connect as any principal.
 
@@ -42,6 +44,7 @@ from amqtt.contexts import Action
 from amqtt.plugins.base import BaseAuthPlugin, BaseTopicPlugin
 
 from denpex_agent import wire
+from denpexd.podidentity import PodTokens, looks_like_jwt
 
 log = logging.getLogger(__name__)
 
@@ -69,12 +72,14 @@ def grant_for(
     username: str | None,
     password: str | None,
     shared_password: str | None = None,
+    *,
+    tokens: PodTokens | None = None,
 ) -> Grant | None:
     """The grant of a connecting client, or None (refused)."""
     if username == DAEMON_USER:
         ok = password is not None and hmac.compare_digest(password.encode(), daemon_password.encode())
         return Grant(DAEMON) if ok else None
-    if secret is None and shared_password is None:
+    if secret is None and shared_password is None and tokens is None:
         return Grant(LOCAL)  # local-development mode: loopback only (see ServeConfig)
     if not username or password is None:
         return None
@@ -86,6 +91,14 @@ def grant_for(
         sender = None
     if sender is not None:
         agent, node = sender
+        if tokens is not None and looks_like_jwt(password):
+            why = tokens.verify(password, agent, node)
+            if why is None:
+                return Grant(AGENT, agent, node)
+            log.warning(
+                "broker client refused: its token does not hold user=%r reason=%s", username[:160], why
+            )
+            return None
         if secret is not None and hmac.compare_digest(given, credential(secret, AGENT, username).encode()):
             return Grant(AGENT, agent, node)
         if shared_password is not None and hmac.compare_digest(given, shared_password.encode()):
@@ -150,9 +163,12 @@ class Access:
     daemon_password: str = ""
     shared_password: str | None = None
     intake: Intake | None = None
+    tokens: PodTokens | None = None
 
     def grant(self, username: str | None, password: str | None) -> Grant | None:
-        return grant_for(self.secret, self.daemon_password, username, password, self.shared_password)
+        return grant_for(
+            self.secret, self.daemon_password, username, password, self.shared_password, tokens=self.tokens
+        )
 
 
 class Authenticate(BaseAuthPlugin):  # type: ignore[misc]  # amqtt has no type hints

@@ -23,6 +23,7 @@ from urllib.parse import urlsplit
 from denpex_agent.environ import SHARED, config_variables
 from denpex_agent.redact import redact_url
 from denpexd.errors import ConfigError
+from denpexd.podidentity import PodTokens, TokenKeysError
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +59,11 @@ class ServeConfig:
     # the weaker alternative: one broker password for every agent (dynamic pod names), see
     # brokeraccess; a holder may connect as any agent
     agent_password: str | None = None
+    # Kubernetes: agents log in with their pod's service-account token (denpexd.podidentity),
+    # checked against the cluster's public keys (a JWKS file), the audience and the issuer
+    agent_token_keys: str | None = None
+    agent_token_audience: str = "denpex"
+    agent_token_issuer: str | None = None
     shutdown_timeout_s: float = 10.0
     log_level: str = "info"
 
@@ -124,6 +130,13 @@ def is_loopback(host: str) -> bool:
         return False  # a name other than localhost: whatever it resolves to, assume it is reachable
 
 
+def pod_tokens(cfg: ServeConfig) -> PodTokens | None:
+    """The verifier of agents' service-account tokens, when configured (`TokenKeysError`)."""
+    if cfg.agent_token_keys is None:
+        return None
+    return PodTokens(cfg.agent_token_keys, cfg.agent_token_audience, cfg.agent_token_issuer)
+
+
 def _validate(cfg: ServeConfig) -> ServeConfig:
     mqtt_host, _ = _host_port("mqtt_listen", cfg.mqtt_listen)
     http_host, _ = _host_port("http_listen", cfg.http_listen)
@@ -133,14 +146,24 @@ def _validate(cfg: ServeConfig) -> ServeConfig:
             raise ConfigError(
                 key, f"too short: use at least {MIN_SECRET_CHARS} characters (e.g. `openssl rand -hex 32`)"
             )
+    if cfg.agent_token_keys is not None:
+        if cfg.broker is not None:
+            raise ConfigError("agent_token_keys", "is for the embedded broker (no --broker)")
+        if not cfg.agent_token_audience:
+            raise ConfigError("agent_token_audience", "must not be empty")
+        try:
+            pod_tokens(cfg)
+        except TokenKeysError as exc:
+            raise ConfigError("agent_token_keys", str(exc)) from None
     # Nothing listens beyond loopback without authentication.
-    authenticated = cfg.agent_secret is not None or cfg.agent_password is not None
+    authenticated = any(v is not None for v in (cfg.agent_secret, cfg.agent_password, cfg.agent_token_keys))
     if cfg.broker is None and not authenticated and not is_loopback(mqtt_host):
         raise ConfigError(
             "mqtt_listen",
             f"the embedded broker would accept anyone on {cfg.mqtt_listen}: set agent_secret "
             "(DENPEX_AGENT_SECRET; agents then connect with `denpexd credential` passwords), or "
-            "agent_password (DENPEX_AGENT_PASSWORD, one password for all agents), or listen on "
+            "agent_token_keys (Kubernetes: agents log in with their pods' service-account tokens), "
+            "or agent_password (DENPEX_AGENT_PASSWORD, one password for all agents), or listen on "
             "127.0.0.1",
         )
     if cfg.api_token is None and not is_loopback(http_host):
@@ -165,7 +188,13 @@ def _validate(cfg: ServeConfig) -> ServeConfig:
             raise ConfigError("shared_group", "needs --broker: replicas share an external broker")
     if cfg.alertmanager is not None and urlsplit(cfg.alertmanager).scheme not in ("http", "https"):
         raise ConfigError("alertmanager", f"expected an http(s) URL, got {cfg.alertmanager!r}")
-    for key in ("max_open_jobs", "job_queue_batches", "ingest_backlog", "dedup_ids_per_job", "session_expiry_s"):
+    for key in (
+        "max_open_jobs",
+        "job_queue_batches",
+        "ingest_backlog",
+        "dedup_ids_per_job",
+        "session_expiry_s",
+    ):
         if getattr(cfg, key) < 1:
             raise ConfigError(key, "must be >= 1")
     for key in (

@@ -29,7 +29,7 @@ from denpexd.alerts import Alerter, AlertmanagerSink, AlertSink, MqttSink
 from denpexd.api import Api
 from denpexd.broker import EmbeddedBroker
 from denpexd.brokeraccess import Intake
-from denpexd.config import ServeConfig
+from denpexd.config import ServeConfig, pod_tokens
 from denpexd.errors import ConfigError, DenpexdError
 from denpexd.ingest import Ingest
 from denpexd.jobs import JobTable
@@ -147,6 +147,7 @@ class App:
                         secret=cfg.agent_secret,
                         shared_password=cfg.agent_password,
                         intake=intake,
+                        tokens=pod_tokens(cfg),
                     )
                 )
                 embedded_password = embedded.daemon_password

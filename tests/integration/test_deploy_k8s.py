@@ -3,6 +3,7 @@ kubernetes-validate (strict: unknown fields are errors), plus the contract the i
 
 from __future__ import annotations
 
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -121,12 +122,32 @@ def test_the_daemon_config_needs_its_secrets_and_gets_them(tmp_path: Path) -> No
             capture_output=True, text=True, timeout=60, env=env,
         )  # fmt: skip
 
-    refused = validate({})
-    assert refused.returncode == 2 and "mqtt_listen" in refused.stderr, refused.stderr
-    assert validate({"DENPEX_API_TOKEN": "t" * 32, "DENPEX_AGENT_PASSWORD": "p" * 32}).returncode == 0
+    # the cluster's keys are where the StatefulSet mounts the ConfigMap denpex-cluster-keys
+    keys_path = tomllib.loads(conf.read_text())["agent_token_keys"]
     pod = docs[("StatefulSet", "denpexd")]["spec"]["template"]["spec"]
     for c in (_container(pod, "validate"), _container(pod, "denpexd")):
         assert c["envFrom"] == [{"secretRef": {"name": "denpexd-secrets"}}], c["name"]
+        mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
+        assert keys_path == f"{mounts['cluster-keys']}/jwks.json", c["name"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["cluster-keys"]["configMap"]["name"] == "denpex-cluster-keys"
+
+    missing = validate({"DENPEX_API_TOKEN": "t" * 32})  # no key set at that path here
+    assert missing.returncode == 2 and "agent_token_keys" in missing.stderr, missing.stderr
+    from tests.unit.test_pod_identity import Cluster
+
+    jwks = {"DENPEX_AGENT_TOKEN_KEYS": Cluster().jwks(tmp_path)}
+    refused = validate(jwks)
+    assert refused.returncode == 2 and "http_listen" in refused.stderr, refused.stderr
+    assert validate(jwks | {"DENPEX_API_TOKEN": "t" * 32}).returncode == 0
+    # the example agent logs in with its pod's projected token, for the daemon's audience
     job = docs[("Job", "llm-pretrain-4711")]["spec"]["template"]["spec"]
-    env = {e["name"]: e for e in _container(job, "denpex-agent")["env"]}
-    assert env["DENPEX_PASSWORD"]["valueFrom"]["secretKeyRef"] == {"name": "denpex-agent", "key": "password"}
+    agent = _container(job, "denpex-agent")
+    env = {e["name"]: e for e in agent["env"]}
+    token_file = env["DENPEX_PASSWORD_FILE"]["value"]
+    assert "DENPEX_PASSWORD" not in env
+    mount = next(m for m in agent["volumeMounts"] if token_file.startswith(m["mountPath"] + "/"))
+    source = next(v for v in job["volumes"] if v["name"] == mount["name"])["projected"]["sources"][0]
+    token = source["serviceAccountToken"]
+    assert token_file == f"{mount['mountPath']}/{token['path']}"
+    assert token["audience"] == tomllib.loads(conf.read_text())["agent_token_audience"]

@@ -141,7 +141,7 @@ async def _stream_with_kills(
         if stop_flood is not None:
             stop_flood.set()  # what the agents have not had confirmed comes in now
         # every marker written reaches the store (the agents re-send what was never confirmed)
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + (60 if stop_flood is None else 150)  # a flood is worked off first
         while time.monotonic() < deadline:
             await asyncio.sleep(1.0)
             if writer.written <= await asyncio.to_thread(_stored, daemon.data_dir, job):
@@ -256,9 +256,12 @@ def _metric(text: str, name: str) -> float:
     return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " "))
 
 
+FLOOD_BATCHES = 1_500  # 300,000 events: Mosquitto queues all of them for the daemon's session
+
+
 def _flood(port: int, job: str, stop: threading.Event, v5: bool) -> int:
     """Another job's batches (200 failure events each) at QoS 1, as fast as the broker takes
-    them, until ``stop``; the number the broker acknowledged."""
+    them, until ``stop`` or FLOOD_BATCHES; the number the broker acknowledged."""
     client = paho.Client(
         CallbackAPIVersion.VERSION2, client_id=f"flood-{job}", protocol=paho.MQTTv5 if v5 else paho.MQTTv311
     )
@@ -268,7 +271,7 @@ def _flood(port: int, job: str, stop: threading.Event, v5: bool) -> int:
     seq = acked = 0
     infos = []
     try:
-        while not stop.is_set():
+        while not stop.is_set() and seq < FLOOD_BATCHES:
             seq += 1
             now = time.time()
             events = [

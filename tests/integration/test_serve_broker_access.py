@@ -253,3 +253,71 @@ def test_credential_says_what_is_missing() -> None:
     assert neither.returncode == 2
     ok = subprocess.run([*run, "--agent", "n1"], capture_output=True, text=True, env=env, timeout=30)
     assert ok.returncode == 0 and SECRET not in ok.stdout
+
+
+@pytest.mark.asyncio
+async def test_pods_log_in_with_their_service_account_tokens(tmp_path: Path) -> None:
+    """Kubernetes: `agent_token_keys` holds the cluster's public keys; each `denpex-agent` reads
+    its pod's token from `password_file` (renewed there: read again at every connection). A
+    token names its pod and node: an agent claiming another node with it is refused, and so is a
+    token signed by another cluster; the right ones are stored."""
+    from tests.integration.agent_harness import agent_cmd, eventually, start_agent, stop
+    from tests.unit.test_pod_identity import AUDIENCE, ISSUER, Cluster
+
+    cluster, foreign = Cluster(), Cluster(kid="k1")
+    conf = tmp_path / "serve.toml"
+    conf.write_text(
+        f'agent_token_keys = "{cluster.jwks(tmp_path)}"\nagent_token_audience = "{AUDIENCE}"\n'
+        f'agent_token_issuer = "{ISSUER}"\n'
+    )
+    daemon = Daemon(tmp_path / "data", "--config", str(conf))
+    await daemon.start()
+    job = f"pods-{uuid.uuid4().hex[:8]}"
+    procs = []
+    try:
+        for node, pod, token in (
+            ("gpu-1", "train-0", cluster.token("train-0", "gpu-1")),
+            ("gpu-2", "train-1", cluster.token("train-1", "gpu-2")),
+            ("gpu-3", "train-0", cluster.token("train-0", "gpu-1")),  # pod train-0 claims gpu-3
+            ("gpu-4", "train-4", foreign.token("train-4", "gpu-4")),  # another cluster's
+        ):
+            logs = tmp_path / node
+            logs.mkdir()
+            (logs / "rank0.log").write_text(
+                "[E ProcessGroupNCCL.cpp:1234] Watchdog caught collective operation timeout: "
+                f"WorkNCCL(SeqNum=1, OpType=ALLREDUCE) ran for 600000 milliseconds before timing out. {node}\n"
+            )
+            token_file = tmp_path / f"token-{node}"
+            token_file.write_text(token + "\n")
+            cmd = agent_cmd(job, node, [str(logs / "*.log")], tmp_path / f"state-{node}",
+                            "--agent-id", pod, "--password-file", str(token_file), "--mqtt-version", "3.1.1",
+                            port=daemon.mqtt_port)  # fmt: skip
+            procs.append(start_agent(cmd, tmp_path / f"agent-{node}.log"))
+
+        async def nodes() -> set[str]:
+            status, doc = await daemon.get(f"/api/v1/jobs/{job}/events?limit=100")
+            return {e["node"] for e in doc["events"]} if status == 200 else set()
+
+        for _ in range(100):
+            if await nodes() == {"gpu-1", "gpu-2"}:
+                break
+            await asyncio.sleep(0.3)
+        assert await nodes() == {"gpu-1", "gpu-2"}
+        for node in ("gpu-3", "gpu-4"):
+            log = tmp_path / f"agent-{node}.log"
+            await eventually(
+                lambda log=log: "the broker refused this agent's credentials" in log.read_text(), within=10
+            )  # type: ignore[misc]
+        text = daemon.log.read_text()
+        assert "pod 'train-0' on node 'gpu-1', not 'train-0' on 'gpu-3'" in text
+        assert "Signature verification failed" in text
+        assert await nodes() == {"gpu-1", "gpu-2"}
+    finally:
+        for proc in procs:
+            stop(proc)
+        await daemon.stop()
+    logs = [daemon.log, *(tmp_path / f"agent-{n}.log" for n in ("gpu-1", "gpu-2", "gpu-3", "gpu-4"))]
+    logged = "".join(path.read_text() for path in logs)
+    for node in ("gpu-1", "gpu-2", "gpu-3", "gpu-4"):
+        token = (tmp_path / f"token-{node}").read_text().strip()
+        assert token.split(".")[2] not in logged  # tokens are never logged
