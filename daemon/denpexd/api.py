@@ -168,10 +168,13 @@ class Api:
             return _error(400, f"kind must be one of {', '.join(KINDS)}")
         if job not in self.table.jobs and not await self.store.job_exists(job):
             return _error(404, f"unknown job {job}")
-        # what was received a moment ago is shown too, but a long backlog does not hold the answer
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(FLUSH_WAIT_S):
-                await self.table.writer.flush()
+        # What was received a moment ago is shown too, when it is about to be written; behind a
+        # backlog the answer is what is committed, at once.
+        writer = self.table.writer
+        if writer.buffered_rows <= writer.commit_rows:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(FLUSH_WAIT_S):
+                    await writer.flush()
         return _json({"job": job, "events": await self.store.events(job, rank, limit, kind)})
 
     async def dead_letters(self, request: web.Request) -> web.Response:

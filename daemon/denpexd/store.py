@@ -603,6 +603,11 @@ class EventWriter:
                     await self._on_failed(rows, job, exc)
             ack()
 
+    @property
+    def buffered_rows(self) -> int:
+        """Rows added and not yet taken into a transaction."""
+        return self._buffered
+
     async def flush(self) -> None:
         """Wait until everything added so far is committed and acknowledged (and nothing more:
         what is added meanwhile does not extend the wait)."""
