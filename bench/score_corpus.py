@@ -1,0 +1,152 @@
+#!/usr/bin/env python3
+"""Score `denpexd diagnose` against the public-logs corpus (tests/fixtures/public/).
+
+Each case is a failure posted in a public issue thread or training logbook: its log lines as
+posted (`logs/`), and `truth.json`, judged from the whole thread: the rank that broke first (or
+null: every rank failed the same way, `scope: job`, or the thread does not tell,
+`rank_knowable: false`), the category and the verdict. The case is diagnosed with the same
+engine as `denpexd diagnose`, and scored:
+
+* initiator: right rank where the rank is knowable; no initiator where the scope is the job;
+* category: the initiator's (or, without one, the root cause's) category;
+* verdict;
+* confident and wrong: a rank named with confidence >= 0.6 where the truth is "no single rank".
+
+Every miss is listed with what was said and what the thread says. With `--floor FILE` the run
+fails (exit 1) when a score is below the floor's (CI keeps the floor, which only rises).
+
+    python3 bench/score_corpus.py
+    python3 bench/score_corpus.py --json scores.json --floor tests/fixtures/public/floor.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from denpex_agent.rules import load_rules
+from denpexd.diagnosecmd import diagnose_paths
+
+CORPUS = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "public"
+CONFIDENT = 0.6
+
+
+@dataclass
+class Score:
+    cases: int = 0
+    initiator_right: int = 0
+    initiator_scored: int = 0
+    category_right: int = 0
+    verdict_right: int = 0
+    confident_wrong: int = 0
+    misses: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        def pct(a: int, b: int) -> float:
+            return round(100.0 * a / b, 1) if b else 100.0
+
+        return {
+            "cases": self.cases,
+            "initiator_pct": pct(self.initiator_right, self.initiator_scored),
+            "initiator": f"{self.initiator_right}/{self.initiator_scored}",
+            "category_pct": pct(self.category_right, self.cases),
+            "category": f"{self.category_right}/{self.cases}",
+            "verdict_pct": pct(self.verdict_right, self.cases),
+            "verdict": f"{self.verdict_right}/{self.cases}",
+            "confident_wrong": self.confident_wrong,
+        }
+
+
+def said(doc: dict[str, Any]) -> tuple[int | None, float, str | None]:
+    """The diagnosis's initiator rank, its confidence and the category it gives."""
+    init = doc.get("initiator") or None
+    cause = doc.get("root_cause") or {}
+    if init is None:
+        return None, 0.0, cause.get("category")
+    return (
+        init.get("rank"),
+        float(init.get("confidence") or 0.0),
+        init.get("category") or cause.get("category"),
+    )
+
+
+def score(corpus: Path) -> tuple[Score, list[dict[str, Any]]]:
+    rules = load_rules()
+    total = Score()
+    rows = []
+    for case in sorted(p for p in corpus.iterdir() if (p / "truth.json").is_file()):
+        truth = orjson.loads((case / "truth.json").read_bytes())
+        doc = diagnose_paths([str(case / "logs")], job=case.name, rules=rules, context_lines=0)
+        rank, confidence, category = said(doc)
+        total.cases += 1
+        why: list[str] = []
+        knowable = truth.get("rank_knowable", True)
+        job_scope = truth.get("scope") == "job"
+        if job_scope or (knowable and truth["initiator_rank"] is not None):
+            total.initiator_scored += 1
+            want = None if job_scope else truth["initiator_rank"]
+            if rank == want:
+                total.initiator_right += 1
+            else:
+                why.append(f"initiator {rank} (confidence {confidence:.2f}), truth {want}")
+        if job_scope and rank is not None and confidence >= CONFIDENT:
+            total.confident_wrong += 1
+            why.append("a confident rank where no single rank broke")
+        if category == truth["category"]:
+            total.category_right += 1
+        else:
+            why.append(f"category {category}, truth {truth['category']}")
+        if doc.get("verdict") == truth["verdict"]:
+            total.verdict_right += 1
+        else:
+            why.append(f"verdict {doc.get('verdict')}, truth {truth['verdict']}")
+        if why:
+            total.misses.append(f"{case.name}: {'; '.join(why)}  [{truth['source']}]")
+        rows.append({"case": case.name, "rank": rank, "confidence": confidence, "category": category,
+                     "verdict": doc.get("verdict"), "truth": truth})  # fmt: skip
+    return total, rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--corpus", type=Path, default=CORPUS)
+    ap.add_argument("--json", type=Path, help="write the scores and every case's answer here")
+    ap.add_argument("--floor", type=Path, help="exit 1 when a score is below this file's")
+    args = ap.parse_args()
+    total, rows = score(args.corpus)
+    s = total.as_dict()
+    print(f"public corpus: {s['cases']} cases ({args.corpus})")
+    print(
+        f"  initiator   {s['initiator']:>7}  {s['initiator_pct']:5.1f} %  (where the rank is knowable, or no single rank)"
+    )
+    print(f"  category    {s['category']:>7}  {s['category_pct']:5.1f} %")
+    print(f"  verdict     {s['verdict']:>7}  {s['verdict_pct']:5.1f} %")
+    print(f"  confident (>= {CONFIDENT}) rank where no single rank broke: {s['confident_wrong']}")
+    if total.misses:
+        print(f"misses ({len(total.misses)}):")
+        for miss in total.misses:
+            print(f"  {miss}")
+    if args.json:
+        args.json.write_bytes(orjson.dumps({"scores": s, "cases": rows}, option=orjson.OPT_INDENT_2))
+    if args.floor:
+        floor = orjson.loads(args.floor.read_bytes())
+        below = [
+            f"{key} {s[key]} < floor {floor[key]}"
+            for key in ("initiator_pct", "category_pct", "verdict_pct")
+            if s[key] < floor[key]
+        ]
+        if s["confident_wrong"] > floor["confident_wrong"]:
+            below.append(f"confident_wrong {s['confident_wrong']} > floor {floor['confident_wrong']}")
+        if below:
+            print("BELOW THE FLOOR: " + "; ".join(below), file=sys.stderr)
+            return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
