@@ -42,9 +42,10 @@ TESTS = [
     "tests/unit/test_serve_faults.py",
     "tests/unit/test_serve_store_damage.py",
 ]
-# the lines a scenario prints with its figures
+# the lines a scenario prints with its figures (after pytest's progress marks, with -s)
 FIGURES = re.compile(
-    r"^(written \d|poison \(|disk full:|flood of|embedded:|mosquitto:|reading paused)", re.MULTILINE
+    r"^[.FEsx]*((?:written \d|poison \(|disk full:|flood of|embedded:|mosquitto:|reading paused).*)$",
+    re.MULTILINE,
 )
 
 
@@ -67,7 +68,7 @@ def run_tests() -> tuple[list[tuple[str, str, float]], list[str], int]:
                         outcome = "skipped"
                 name = f"{case.get('classname', '').rsplit('.', 1)[-1]}::{case.get('name')}"
                 results.append((name, outcome, float(case.get("time", 0.0))))
-    figures = [m.string[m.start() : m.string.find("\n", m.start())] for m in FIGURES.finditer(proc.stdout)]
+    figures = [m.group(1) for m in FIGURES.finditer(proc.stdout)]
     if proc.returncode not in (0, 1):
         print(proc.stdout[-3000:], proc.stderr[-3000:], sep="\n", file=sys.stderr)
     return results, figures, proc.returncode
