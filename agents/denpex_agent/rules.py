@@ -17,6 +17,8 @@ A rule file (``rules/<category>.toml``) looks like::
     references = ["https://..."]
     examples = ["RuntimeError: [../third_party/gloo/...] Connection closed by peer [127.0.0.1]:5678"]
     counterexamples = ["Connection closed by peer: retrying (1/3)"]
+    # scope = "job"                     # optional: the message is about the job's set-up
+    #                                     (two ranks on one GPU), so no rank is its initiator
 
 Patterns are Python regular expressions applied to one line (without its newline), searched
 anywhere in it; ``^``/``$`` are the line's ends; a pattern never sees more than its line, so
@@ -92,8 +94,10 @@ _RULE_KEYS = frozenset(
         "references",
         "examples",
         "counterexamples",
+        "scope",
     }
 )
+SCOPES = ("rank", "job")  # job: the message is about the job's set-up, not one rank's failure
 _REQUIRED_TEXT = ("root_cause", "fix", "verify")
 
 
@@ -127,6 +131,7 @@ class Rule:
     examples: tuple[Example, ...]
     counterexamples: tuple[str, ...]
     source: str
+    scope: str = "rank"
 
     def search(self, line: str) -> dict[str, int | float | str] | None:
         """Match one line; return the extracted fields ({} when none) or None. Raises
@@ -348,6 +353,9 @@ def _build_rule(src: str, raw: Mapping[str, Any], default_category: Any) -> Rule
     fold = raw.get("fold")
     if fold is not None and fold not in FOLDS:
         raise RuleError(src, rid, f"'fold' must be one of {', '.join(FOLDS)}")
+    scope = raw.get("scope", "rank")
+    if scope not in SCOPES:
+        raise RuleError(src, rid, f"'scope' must be one of {', '.join(SCOPES)}")
 
     patterns = strings("patterns")
     if not patterns:
@@ -378,6 +386,7 @@ def _build_rule(src: str, raw: Mapping[str, Any], default_category: Any) -> Rule
         examples=examples,
         counterexamples=counterexamples,
         source=src,
+        scope=scope,
     )
 
 

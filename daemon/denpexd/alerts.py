@@ -120,9 +120,19 @@ class Incident:
     last_sent: float
 
 
+def alerts_on(doc: dict[str, Any]) -> bool:
+    """A failure with an initiator, or one that every rank shares (no rank to name)."""
+    return doc.get("verdict") == "failed" and bool(doc.get("initiator") or doc.get("scope") == "job")
+
+
 def build_alert(job: str, doc: dict[str, Any], starts: float, generator: str) -> dict[str, Any]:
-    ini = doc["initiator"]
     rc = doc.get("root_cause") or {}
+    ini = doc.get("initiator")
+    if ini is None:  # every rank failed the same way
+        ini = {"rank": None, "node": "", "rule": rc.get("rule"), "category": rc.get("category")}
+        where = "every rank"
+    else:
+        where = f"node {ini.get('node')} rank {ini.get('rank')}"
     return {
         "labels": {
             "alertname": "DenpexJobFailed",
@@ -135,8 +145,7 @@ def build_alert(job: str, doc: dict[str, Any], starts: float, generator: str) ->
             "severity": "critical",
         },
         "annotations": {
-            "summary": f"job {job} failed: {rc.get('title') or ini.get('rule')} on node {ini.get('node')} "
-            f"rank {ini.get('rank')}",
+            "summary": f"job {job} failed: {rc.get('title') or ini.get('rule')} on {where}",
             "root_cause": rc.get("root_cause", ""),
             "fix": rc.get("fix", ""),
             "verify": rc.get("verify", ""),
@@ -185,7 +194,7 @@ class Alerter:
         now = self._clock()
         inc = self.active.get(job)
         if inc is not None:
-            if doc.get("verdict") == "failed" and doc.get("initiator"):
+            if alerts_on(doc):
                 moved = build_alert(job, doc, inc.fired_at, self.generator)
                 if moved["labels"] != inc.alert["labels"]:
                     # Later evidence moved the initiator (e.g. torchrun reported the SIGKILLed
@@ -203,11 +212,11 @@ class Alerter:
                 inc.last_sent = now
                 self._enqueue([inc.alert])
             return
-        if doc.get("verdict") != "failed" or not doc.get("initiator"):
+        if not alerts_on(doc):
             return  # collateral alone (no initiator) never alerts
         first = self._failing_since.setdefault(job, self._mono())
         wait = self.gate(job, doc, first)
-        if doc["initiator"].get("kind") == "hang":
+        if (doc.get("initiator") or {}).get("kind") == "hang":
             # Only timeouts so far: the suspect is inferred from silence. A launcher's report of
             # a killed worker usually follows within seconds; wait for it (bounded) rather than
             # fire at a guess.

@@ -58,6 +58,11 @@ _STAGES = ("none", "info", "warn", "error")
 format_iso = functools.lru_cache(maxsize=65_536)(_format_iso)
 
 
+# "Every rank failed the same way": the first event's rule reported by at least this share of
+# the ranks that logged an error (and by two or more), all within the clocks' uncertainty (or
+# this many seconds, whichever is larger) of the first, or without times to tell them apart.
+JOB_SCOPE_SHARE = 0.8
+JOB_SCOPE_WINDOW_S = 1.0
 DOMINANT_SHARE = 0.9  # a file "is" rank r when this share of its ranked events name r
 
 
@@ -485,6 +490,8 @@ class Engine:
         ranks = sorted(r for (n, r) in tracks if n == node and r is not None)
         if local_rank < len(ranks):
             return ranks[local_rank]
+        if not ranks and self.nodes() == [node]:
+            return local_rank  # a single-node job: its local ranks are its global ranks
         return None
 
     def diagnose(self) -> dict[str, Any]:
@@ -508,11 +515,15 @@ class Engine:
             candidates, tied = self._hang_suspect(aggs, tracks, aligned)
         ranked = self._rank_candidates(candidates, clocks, tied)
         initiator = ranked[0] if ranked else None
+        erring = {(node, rank) for (node, rank, _), a in aggs.items() if rank is not None and sev(a) >= ERROR}
+        # the failure every rank shares, when no single rank broke first
+        shared = self._job_wide(initiator[0], candidates, ranked, erring, clocks) if initiator else None
 
         stragglers = self._stragglers(tracks)
         scale_drops = [a for a in aggs.values() if self._is_scale_drop(a)]
         drops = sum(a.count for a in scale_drops)
-        root_cause = self._root_cause(initiator[0].rule, initiator[0].category) if initiator else None
+        cause = shared or (initiator[0] if initiator else None)
+        root_cause = self._root_cause(cause.rule, cause.category) if cause else None
         if failing:
             verdict = "failed"
         elif stragglers or drops >= LOSS_SCALE_DROPS_DEGRADED:
@@ -525,11 +536,17 @@ class Engine:
         else:
             verdict = "healthy"
 
-        collateral = self._collateral(aggs, initiator[0] if initiator else None, aligned) if failing else []
+        shown = initiator if shared is None else None
+        collateral = (
+            self._collateral(aggs, shown[0] if shown else None, aligned, shared.rule if shared else None)
+            if failing
+            else []
+        )
         out: dict[str, Any] = {
             "job": self.job,
             "verdict": verdict,
-            "initiator": self._candidate_dict(initiator) if initiator else None,
+            "initiator": self._candidate_dict(shown) if shown else None,
+            "scope": "job" if shared is not None else "rank",
             "root_cause": root_cause,
             "candidates": [self._candidate_dict(c) for c in ranked[:MAX_CANDIDATES_SHOWN]],
             "collateral": collateral,
@@ -552,6 +569,45 @@ class Engine:
                 "events_of_ranks_not_followed": self.tracks_dropped,
             }
         return out
+
+    def _job_wide(
+        self,
+        first: Candidate,
+        pool: list[Candidate],
+        ranked: list[tuple[Candidate, float]],
+        erring: set[tuple[str, int]],
+        clocks: dict[str, ClockEstimate],
+    ) -> Candidate | None:
+        """The failure no single rank broke first by, or None: an event about the job's set-up
+        (a rule with `scope = "job"`) among the first rank's events of that moment, or the first
+        event's rule logged by (nearly) every rank that logged an error, so close together that
+        the clocks cannot order them."""
+        if first.kind != "event":
+            return None
+        for c in sorted(pool, key=_candidate_order):
+            if (c.node, c.rank) != (first.node, first.rank) or c.kind != "event":
+                continue
+            moment = c.aligned is None or (
+                first.aligned is not None and c.aligned - first.aligned <= JOB_SCOPE_WINDOW_S
+            )
+            rule = self._rule(c.rule)
+            if moment and rule is not None and rule.scope == "job":
+                return c
+        same = [c for c, _ in ranked if c.rule == first.rule and c.kind == "event" and c.rank is not None]
+        ranks = {(c.node, c.rank) for c in same if c.rank is not None}
+        if len(ranks) < 2 or len(ranks) < JOB_SCOPE_SHARE * len(erring | ranks):
+            return None
+        times = [c.aligned for c in same if c.aligned is not None]
+        if not times:
+            return first  # nothing tells them apart
+        if len(times) < len(same):
+            return None  # some have times, some not: the timed ones are not known to be together
+        nodes = {c.node for c in same}
+        window = max(
+            JOB_SCOPE_WINDOW_S,
+            2 * max((clocks[n].uncertainty_s for n in nodes if n in clocks), default=0.0),
+        )
+        return first if max(times) - min(times) <= window else None
 
     def _candidates(
         self,
@@ -654,8 +710,12 @@ class Engine:
             return [(c, share) for c in ordered]
         weights = []
         for c in ordered:
-            if c.aligned is None or first.aligned is None:
-                weights.append(0.0 if c is not first else 1.0)
+            if first.aligned is None:
+                # No times to order them by (all are without, as they sort last): alike.
+                weights.append(1.0)
+                continue
+            if c.aligned is None:
+                weights.append(0.0)
                 continue
             u0 = clocks[first.node].uncertainty_s if first.node in clocks else 0.001
             u1 = clocks[c.node].uncertainty_s if c.node in clocks else 0.001
@@ -711,12 +771,15 @@ class Engine:
         aggs: dict[tuple[str, int | None, str], Aggregate],
         initiator: Candidate | None,
         aligned: Callable[[str, float | None], float | None],
+        shared_rule: str | None = None,
     ) -> list[dict[str, Any]]:
         out = []
         for (node, rank, rule_id), a in aggs.items():
             ev = a.first
             if SEVERITIES.index(ev.severity or "info") < WARNING:
                 continue
+            if rule_id == shared_rule:
+                continue  # the failure itself, on every rank: not a consequence of it
             if (
                 initiator is not None
                 and rank is not None

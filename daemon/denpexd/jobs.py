@@ -52,7 +52,7 @@ HISTORICAL_QUIET_S = 2.0  # ... and its alert waits for this long a pause in the
 # thousands of ranks in its collateral and rank table exceeds it: its MQTT copy carries the first
 # entries of its long lists and says so; the HTTP API and the store keep the whole document.
 MAX_DIAGNOSIS_BYTES = 900 * 1024
-_WHOLE = ("job", "verdict", "initiator", "root_cause", "evidence", "fingerprints", "truncated")
+_WHOLE = ("job", "verdict", "initiator", "scope", "root_cause", "evidence", "fingerprints", "truncated")
 
 
 def diagnosis_payload(doc: dict[str, Any], limit: int = MAX_DIAGNOSIS_BYTES) -> bytes:
@@ -621,6 +621,8 @@ class JobTable:
 
     def _export(self, state: JobState, doc: dict[str, Any]) -> None:
         m, job, ini = self.metrics, state.job, doc.get("initiator")
+        if doc["verdict"] == "failed" and not ini and doc.get("scope") == "job":  # every rank alike
+            ini = {"rank": None, "node": "", "category": (doc.get("root_cause") or {}).get("category") or ""}
         if doc["verdict"] == "failed" and ini:
             labels = (job, str(ini["rank"]) if ini["rank"] is not None else "", ini["node"], ini["category"])
             old = state.labels.get("failed")
@@ -630,7 +632,7 @@ class JobTable:
             state.labels["failed"] = labels
             if not state.failure_observed:
                 state.failure_observed = True
-                arrived = state.arrivals.get((ini["node"], ini["rank"], ini["rule"]))
+                arrived = state.arrivals.get((ini["node"], ini["rank"], ini.get("rule")))
                 if arrived is not None:
                     m.warning_to_diagnosis.observe(self._mono() - arrived)
         nan = doc["fingerprints"]["nan"]

@@ -20,6 +20,11 @@ def _wrap(label: str, text: str) -> list[str]:
     return [f"{label:<11} {body[0]}", *body[1:]]
 
 
+def _ranks(ranks: list[int], shown: int = 12) -> str:
+    text = ",".join(str(r) for r in ranks[:shown])
+    return text + (f" and {len(ranks) - shown} more" if len(ranks) > shown else "")
+
+
 def render_text(d: dict[str, Any]) -> str:
     out: list[str] = []
     verdict = d["verdict"].upper()
@@ -38,6 +43,15 @@ def render_text(d: dict[str, Any]) -> str:
         first_text = (ini.get("text") or "").strip().splitlines()
         if first_text:
             out.append(f"  line       {first_text[-1][:200]}")
+    elif d["verdict"] == "failed" and d.get("scope") == "job":
+        shared = [c for c in d.get("candidates", []) if c.get("rule") == rc.get("rule")]
+        ranks = sorted({c["rank"] for c in shared if c.get("rank") is not None})
+        out.append("")
+        out.append(
+            f"NO SINGLE RANK  every rank failed the same way ({rc.get('rule')}"
+            + (f", ranks {_ranks(ranks)}" if ranks else "")
+            + "): the job's set-up, not one rank, is the cause"
+        )
     elif d["verdict"] == "failed":
         out.append("")
         out.append("FIRST FAILURE  could not be attributed to a rank (see collateral below)")

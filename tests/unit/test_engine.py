@@ -168,3 +168,82 @@ def test_ties_among_thousands_of_silent_ranks_list_the_first_candidates_only(uni
     assert d["initiator"]["kind"] == "hang"
     assert len(d["candidates"]) == 64 and d["candidates_total"] == 299
     assert abs(d["candidates"][0]["confidence"] - round(1 / 299, 3)) < 1e-9
+
+
+# -- no single rank: every rank failed the same way ------------------------------------------
+
+
+def _library() -> RuleSet:
+    from denpex_agent.rules import load_rules
+
+    return load_rules()
+
+
+def test_the_same_error_on_every_rank_at_once_names_no_rank() -> None:
+    lib = _library()
+    e = Engine("j", lib)
+    steps(e, lib, "node1", [0, 1, 2, 3], skew=0.0)
+    for r in range(4):  # one bad argument, every rank within 0.3 s
+        e.add(ev("node1", r, T0 + 3.2 + 0.1 * r, "file-not-found", lib))
+    d = e.diagnose()
+    assert d["verdict"] == "failed" and d["scope"] == "job" and d["initiator"] is None
+    assert d["root_cause"]["rule"] == "file-not-found"
+    assert d["collateral"] == []  # the failure itself is no one's collateral
+
+
+def test_one_rank_ahead_of_the_others_by_more_than_the_clocks_is_the_initiator() -> None:
+    lib = _library()
+    e = Engine("j", lib)
+    steps(e, lib, "node1", [0, 1, 2, 3], skew=0.0)
+    e.add(ev("node1", 2, T0 + 3.2, "file-not-found", lib))
+    for r in (0, 1, 3):  # the others 5 s later
+        e.add(ev("node1", r, T0 + 8.2, "file-not-found", lib))
+    d = e.diagnose()
+    assert d["scope"] == "rank" and d["initiator"]["rank"] == 2
+
+
+def test_an_error_on_a_few_ranks_only_is_not_job_wide() -> None:
+    lib = _library()
+    e = Engine("j", lib)
+    steps(e, lib, "node1", list(range(8)), skew=0.0)
+    for r in (4, 5):  # two of eight, at once; the others fail differently later
+        e.add(ev("node1", r, T0 + 3.2, "file-not-found", lib))
+    for r in (0, 1, 2, 3, 6, 7):
+        e.add(ev("node1", r, T0 + 3.9, "cuda-oom", lib))
+    d = e.diagnose()
+    assert d["scope"] == "rank" and d["initiator"]["rank"] in (4, 5)
+
+
+def test_a_rule_about_the_launch_names_no_rank_even_when_one_rank_says_it() -> None:
+    """`scope = "job"` (two ranks on one GPU): the launch is wrong, not the rank that noticed;
+    it counts when it comes with the rank's generic NCCL error of the same moment."""
+    lib = _library()
+    assert lib.get("nccl-duplicate-gpu").scope == "job"
+    e = Engine("j", lib)
+    e.add(ev("node1", 3, None, "nccl-invalid-usage", lib))
+    e.add(ev("node1", 3, None, "nccl-duplicate-gpu", lib))
+    d = e.diagnose()
+    assert d["scope"] == "job" and d["initiator"] is None
+    assert d["root_cause"]["rule"] == "nccl-duplicate-gpu"
+
+
+def test_without_times_no_rank_gets_the_confidence_alone() -> None:
+    lib = _library()
+    e = Engine("j", lib)
+    for r in (0, 1):  # two ranks, two different errors, no timestamps: nothing orders them
+        e.add(ev("node1", r, None, "cuda-oom" if r else "file-not-found", lib))
+    d = e.diagnose()
+    assert d["scope"] == "rank"
+    assert [c["confidence"] for c in d["candidates"]] == [0.5, 0.5]
+
+
+def test_a_launcher_local_rank_is_the_global_rank_of_a_single_node_job() -> None:
+    """torchrun's `failed (exitcode: -9) local_rank: 4` and nothing else: on the only node of the
+    job, local rank 4 is rank 4; with a second node in the job it is not known which rank it is."""
+    lib = _library()
+    e = Engine("j", lib)
+    e.add(ev("node1", None, None, "elastic-worker-sigkill", lib, exitcode=-9, local_rank=4, pid=24905))
+    d = e.diagnose()
+    assert d["initiator"]["rank"] == 4 and d["initiator"]["category"] == "process-killed"
+    e.add(ev("node2", None, None, "elastic-worker-sigterm", lib, local_rank=1))
+    assert e.diagnose()["initiator"]["rank"] is None
