@@ -305,6 +305,9 @@ class JobTable:
         waited for."""
         state = self.jobs.get(job)
         ini = doc.get("initiator")
+        if not ini and doc.get("scope") == "job" and doc.get("candidates"):
+            # no single rank so far: another agent may still hold an earlier warning that names one
+            ini = doc["candidates"][0]
         if state is None or not ini:
             return 0.0
         now = self._mono()

@@ -185,11 +185,38 @@ async def test_local_development_mode_accepts_anonymous_agents_but_not_forged_di
         await daemon.stop()
 
 
+def _agent(tmp_path: Path, daemon: Daemon, job: str, node: str, *args: str) -> subprocess.Popen[bytes]:
+    """A real agent of ``node`` (with ``args``) reading one rank's NCCL watchdog timeout."""
+    from tests.integration.agent_harness import agent_cmd, start_agent
+
+    logs = tmp_path / node
+    logs.mkdir()
+    (logs / "rank0.log").write_text(
+        "[E ProcessGroupNCCL.cpp:1234] Watchdog caught collective operation timeout: "
+        f"WorkNCCL(SeqNum=1, OpType=ALLREDUCE) ran for 600000 milliseconds before timing out. {node}\n"
+    )
+    cmd = agent_cmd(job, node, [str(logs / "*.log")], tmp_path / f"state-{node}", *args,
+                    "--mqtt-version", "3.1.1", port=daemon.mqtt_port)  # fmt: skip
+    return start_agent(cmd, tmp_path / f"agent-{node}.log")
+
+
+async def _nodes_stored(daemon: Daemon, job: str, expected: set[str]) -> set[str]:
+    """The nodes whose events the daemon stored for ``job``, once they are ``expected`` (or 30 s)."""
+    nodes: set[str] = set()
+    for _ in range(100):
+        status, doc = await daemon.get(f"/api/v1/jobs/{job}/events?limit=100")
+        nodes = {e["node"] for e in doc["events"]} if status == 200 else set()
+        if nodes == expected:
+            break
+        await asyncio.sleep(0.3)
+    return nodes
+
+
 @pytest.mark.asyncio
 async def test_real_agents_connect_with_their_credentials(tmp_path: Path) -> None:
     """`denpex-agent` with the password `denpexd credential` printed (the user name defaults to
     its principal), and with the shared `agent_password`; the wrong one is refused and says so."""
-    from tests.integration.agent_harness import agent_cmd, eventually, start_agent, stop
+    from tests.integration.agent_harness import eventually, stop
 
     shared = "one-password-for-all-agents"
     conf = tmp_path / "serve.toml"
@@ -205,27 +232,10 @@ async def test_real_agents_connect_with_their_credentials(tmp_path: Path) -> Non
             ("n3", "n3", shared),
             ("n4", "n4", _credential("--agent", "n1")[1]),  # someone else's password
         ):
-            logs = tmp_path / node
-            logs.mkdir()
-            (logs / "rank0.log").write_text(
-                f"2026-11-29 10:00:00,000 ERROR [rank0] NCCL watchdog timeout on {node}\n"
-                "[E ProcessGroupNCCL.cpp:1234] Watchdog caught collective operation timeout: "
-                "WorkNCCL(SeqNum=1, OpType=ALLREDUCE) ran for 600000 milliseconds before timing out.\n"
+            procs.append(
+                (node, _agent(tmp_path, daemon, job, node, "--agent-id", agent, "--password", password))
             )
-            cmd = agent_cmd(job, node, [str(logs / "*.log")], tmp_path / f"state-{node}",
-                            "--agent-id", agent, "--password", password, "--mqtt-version", "3.1.1",
-                            port=daemon.mqtt_port)  # fmt: skip
-            procs.append((node, start_agent(cmd, tmp_path / f"agent-{node}.log")))
-
-        async def nodes() -> set[str]:
-            status, doc = await daemon.get(f"/api/v1/jobs/{job}/events?limit=100")
-            return {e["node"] for e in doc["events"]} if status == 200 else set()
-
-        for _ in range(100):
-            if await nodes() == {"n1", "n2", "n3"}:
-                break
-            await asyncio.sleep(0.3)
-        assert await nodes() == {"n1", "n2", "n3"}
+        assert await _nodes_stored(daemon, job, {"n1", "n2", "n3"}) == {"n1", "n2", "n3"}
         n4_log = tmp_path / "agent-n4.log"
         await eventually(
             lambda: "the broker refused this agent's credentials" in n4_log.read_text(), within=10
@@ -261,7 +271,7 @@ async def test_pods_log_in_with_their_service_account_tokens(tmp_path: Path) -> 
     its pod's token from `password_file` (renewed there: read again at every connection). A
     token names its pod and node: an agent claiming another node with it is refused, and so is a
     token signed by another cluster; the right ones are stored."""
-    from tests.integration.agent_harness import agent_cmd, eventually, start_agent, stop
+    from tests.integration.agent_harness import eventually, stop
     from tests.unit.test_pod_identity import AUDIENCE, ISSUER, Cluster
 
     cluster, foreign = Cluster(), Cluster(kid="k1")
@@ -281,28 +291,12 @@ async def test_pods_log_in_with_their_service_account_tokens(tmp_path: Path) -> 
             ("gpu-3", "train-0", cluster.token("train-0", "gpu-1")),  # pod train-0 claims gpu-3
             ("gpu-4", "train-4", foreign.token("train-4", "gpu-4")),  # another cluster's
         ):
-            logs = tmp_path / node
-            logs.mkdir()
-            (logs / "rank0.log").write_text(
-                "[E ProcessGroupNCCL.cpp:1234] Watchdog caught collective operation timeout: "
-                f"WorkNCCL(SeqNum=1, OpType=ALLREDUCE) ran for 600000 milliseconds before timing out. {node}\n"
-            )
             token_file = tmp_path / f"token-{node}"
             token_file.write_text(token + "\n")
-            cmd = agent_cmd(job, node, [str(logs / "*.log")], tmp_path / f"state-{node}",
-                            "--agent-id", pod, "--password-file", str(token_file), "--mqtt-version", "3.1.1",
-                            port=daemon.mqtt_port)  # fmt: skip
-            procs.append(start_agent(cmd, tmp_path / f"agent-{node}.log"))
-
-        async def nodes() -> set[str]:
-            status, doc = await daemon.get(f"/api/v1/jobs/{job}/events?limit=100")
-            return {e["node"] for e in doc["events"]} if status == 200 else set()
-
-        for _ in range(100):
-            if await nodes() == {"gpu-1", "gpu-2"}:
-                break
-            await asyncio.sleep(0.3)
-        assert await nodes() == {"gpu-1", "gpu-2"}
+            procs.append(
+                _agent(tmp_path, daemon, job, node, "--agent-id", pod, "--password-file", str(token_file))
+            )
+        assert await _nodes_stored(daemon, job, {"gpu-1", "gpu-2"}) == {"gpu-1", "gpu-2"}
         for node in ("gpu-3", "gpu-4"):
             log = tmp_path / f"agent-{node}.log"
             await eventually(
@@ -311,7 +305,7 @@ async def test_pods_log_in_with_their_service_account_tokens(tmp_path: Path) -> 
         text = daemon.log.read_text()
         assert "pod 'train-0' on node 'gpu-1', not 'train-0' on 'gpu-3'" in text
         assert "Signature verification failed" in text
-        assert await nodes() == {"gpu-1", "gpu-2"}
+        assert await _nodes_stored(daemon, job, set()) == {"gpu-1", "gpu-2"}
     finally:
         for proc in procs:
             stop(proc)

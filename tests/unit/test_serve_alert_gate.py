@@ -257,3 +257,23 @@ async def test_heartbeats_do_not_keep_old_news_waiting(tmp_path: Path, library: 
     (at, alert), *_ = rec.sent
     assert alert["labels"]["rank"] == "0"
     assert at - started < 2.0 + 1.0
+
+
+@pytest.mark.asyncio
+async def test_a_failure_every_rank_shares_so_far_still_waits_for_an_earlier_warning(
+    tmp_path: Path, library: RuleSet
+) -> None:
+    """node1's two ranks report the NaN loss at once, which alone would be "no single rank";
+    node2's agent then brings rank 3's earlier warning: the one alert names rank 3."""
+
+    async def script(send: Any) -> None:
+        await send(
+            "node1",
+            [_ev(library, "node1", r, "loss-non-finite", T0 + 6.007, 100 + r) for r in (0, 1)],
+        )
+        await asyncio.sleep(0.15)
+        await send("node2", [_ev(library, "node2", 3, "megatron-nan-grad-norm", T0 + 6.0, 100)])
+
+    rec = await _scenario(tmp_path, library, script)
+    firing = [a for _, a in rec.sent if "endsAt" not in a]
+    assert [a["labels"]["rank"] for a in firing] == ["3"], rec.sent
