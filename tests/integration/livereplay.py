@@ -578,8 +578,14 @@ class Agents:
         self.logs = {node: work / f"agent-{node}.log" for node in corpus.nodes}
         self.ports: dict[str, int] = {}
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.starts: dict[str, int] = {}  # "agent starting" lines in a node's log before its start
+
+    def _started(self, node: str) -> int:
+        log = self.logs[node]
+        return log.read_text(errors="replace").count("agent starting") if log.exists() else 0
 
     def start(self, node: str) -> None:
+        self.starts[node] = self._started(node)
         self.ports[node] = free_port()
         cmd = agent_cmd(
             self.job_id, node, self.corpus.globs(self.work / "logs", node), self.work / f"state-{node}",
@@ -614,7 +620,11 @@ class Agents:
                     self.start(node)
                     continue
                 raise RuntimeError(f"agent {node} exited {proc.returncode} while starting: {tail[-300:]}")
-            ready = await agent_lag([self.ports[node]]) is not None
+            # The port answers, and it is this agent that answers (it logs its start only once it
+            # listens): another process may have taken the port meanwhile and answer instead.
+            ready = (
+                self._started(node) > self.starts[node] and await agent_lag([self.ports[node]]) is not None
+            )
             if ready and connected:
                 ready = "connected to broker" in self.logs[node].read_text(errors="replace")
             if ready:
