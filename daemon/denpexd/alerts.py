@@ -183,6 +183,7 @@ class Alerter:
         self._failing_since: dict[str, float] = {}
         self._held: dict[str, dict[str, Any]] = {}
         self._timers: dict[str, asyncio.Task[None]] = {}
+        self._timer_due: dict[str, float] = {}  # when each armed timer fires (monotonic)
         self._queue: asyncio.Queue[list[dict[str, Any]]] = asyncio.Queue(QUEUE_MAX)
 
     def restore(self, job: str, incidents: list[tuple[str, float, float | None, dict[str, Any]]]) -> None:
@@ -224,9 +225,15 @@ class Alerter:
         if wait > 0:
             # Newer diagnoses replace the held one; the timer looks again at the latest.
             self._held[job] = doc
-            if job not in self._timers:
+            due = self._mono() + wait
+            timer = self._timers.get(job)
+            if timer is None or due < self._timer_due.get(job, due) - 0.001:
+                # none armed, or this diagnosis may be sent sooner than the one armed for
+                if timer is not None:
+                    timer.cancel()
                 task = asyncio.create_task(self._fire_held(job, wait), name=f"alert-hold-{job}")
                 self._timers[job] = task
+                self._timer_due[job] = due
                 task.add_done_callback(functools.partial(self._forget_timer, job))
             return
         self._held.pop(job, None)
@@ -240,10 +247,12 @@ class Alerter:
     def _forget_timer(self, job: str, task: asyncio.Task[None]) -> None:
         if self._timers.get(job) is task:
             del self._timers[job]
+            self._timer_due.pop(job, None)
 
     async def _fire_held(self, job: str, delay: float) -> None:
         await asyncio.sleep(max(delay, 0.0) + 0.01)
         self._timers.pop(job, None)  # so that a still-held diagnosis can arm a new timer
+        self._timer_due.pop(job, None)
         doc = self._held.pop(job, None)
         if doc is not None and job not in self.active:
             await self.on_diagnosis(job, doc)
@@ -252,6 +261,7 @@ class Alerter:
         self._failing_since.pop(job, None)
         self._held.pop(job, None)
         timer = self._timers.pop(job, None)
+        self._timer_due.pop(job, None)
         if timer is not None:
             timer.cancel()
         inc = self.active.pop(job, None)

@@ -301,12 +301,14 @@ class JobTable:
         event arrived may hold an earlier warning (their next read is due within a poll): wait
         up to alert_settle_s after that arrival. An agent that said it is catching up on a
         backlog, or that (re)connected and has sent nothing since, may hold anything: wait up to
-        alert_catchup_hold_s after the job first looked failed. Agents never heard from cannot be
-        waited for."""
+        alert_catchup_hold_s after the job first looked failed. A failure every rank shares so far
+        (no single rank) is held that long too. Agents never heard from cannot be waited for."""
         state = self.jobs.get(job)
         ini = doc.get("initiator")
-        if not ini and doc.get("scope") == "job" and doc.get("candidates"):
-            # no single rank so far: another agent may still hold an earlier warning that names one
+        job_wide = not ini and doc.get("scope") == "job" and bool(doc.get("candidates"))
+        if job_wide:
+            # No single rank so far: a weaker answer than a rank, which an earlier warning still
+            # on its way (any agent's) would replace; it is held for the catch-up bound.
             ini = doc["candidates"][0]
         if state is None or not ini:
             return 0.0
@@ -341,6 +343,8 @@ class JobTable:
                 and not self._read_past(mark, state, ini, arrived)
             ):
                 wait = max(wait, settle_left)
+        if job_wide and catchup_left > 0:
+            wait = max(wait, catchup_left)
         if catchup_left > 0 and self._historical(ini, doc):
             # the failure is old news: the agents are reading history (started after the job
             # failed, or catching up after an outage), agents may still be starting and may hold
