@@ -584,9 +584,8 @@ class Engine:
         the clocks cannot order them."""
         if first.kind != "event":
             return None
-        for c in sorted(pool, key=_candidate_order):
-            if (c.node, c.rank) != (first.node, first.rank) or c.kind != "event":
-                continue
+        mine = [c for c in pool if (c.node, c.rank) == (first.node, first.rank) and c.kind == "event"]
+        for c in sorted(mine, key=_candidate_order):  # the first rank's events only, not the pool
             moment = c.aligned is None or (
                 first.aligned is not None and c.aligned - first.aligned <= JOB_SCOPE_WINDOW_S
             )
