@@ -127,31 +127,78 @@ class Layout:
 
 
 # Line-level attribution ------------------------------------------------------------------------
+#
+# The prefixes launchers and log collectors put before a worker's own text, outermost first:
+#
+#   2026-11-29T12:00:00.123Z            a collector's timestamp, a pod or job-step tag (``i.pretrain/0``):
+#   i.pretrain/0                        up to three such tokens before a bracket tag below
+#   ` 12: `                             ``srun --label``: the task id (one task per rank: the rank;
+#                                       before a ``[defaultN]:`` tag it is the node's task, not a rank)
+#   `[1,12]<stderr>:`                   OpenMPI ``--tag-output``: job id, rank (PRRTE's detailed
+#   `[ns,12][host:pid]<stderr>:`        form adds the host and process id)
+#   `[12]<stderr>:`                     horovodrun: rank
+#   `[gpu-node-3:12]`                   ``[host:rank]`` tags of MPI-style launchers (not OpenMPI's
+#                                       ``[host:01234]``, a zero-padded process id)
+#   `[default3]:`                       torchrun ``--tee``: the local rank on that node
+#   `[rank12]:`                         PyTorch's own per-rank prefix: the global rank
+#
+# A rank a prefix names is the line's rank (it beats the file's); failing that, a rank the start
+# of the text names (``[Rank 3]``, ``[RANK 3]``, ``rank=3``) is used when the file names none.
 
-_PREFIX_RE = re.compile(r"^(?:\[(?:rank|default)\d{1,6}\]: ?)+")
+_LEAD = r"(?:[^\s\[\]]{1,48}\s+){0,3}"
+_SRUN = r"\s{0,6}(?P<srun>\d{1,6}): "
+_MPI = r"\[(?:[^\]\s,]{1,64},)?(?P<mpi>\d{1,6})\](?:\[[^\]\s]{1,80}\])?<std(?:out|err|diag)>:"
+_HOST = r"\[(?P<host>[A-Za-z][\w.-]{0,62}):(?P<hostrank>0|[1-9]\d{0,3})\]:? "
+_TAGS = r"(?P<tags>(?:\[(?:rank|default)\d{1,6}\]: ?)+)"
+_PREFIX_RE = re.compile(
+    rf"^(?:{_LEAD}(?=\[(?:rank|default)\d{{1,6}}\]:|\[(?:[^\]\s,]{{1,64}},)?\d{{1,6}}\][<\[]))?"
+    rf"(?:{_MPI}|{_HOST})?(?:{_SRUN})?{_TAGS}?"
+)
 _PREFIX_PART = re.compile(r"\[(?P<kind>rank|default)(?P<n>\d{1,6})\]:")
-_INLINE_RANK_RE = re.compile(r"\[(?:rank|Rank )(?P<n>\d{1,6})\]|\brank[= ](?P<m>\d{1,6})\b")
+_INLINE_RANK_RE = re.compile(r"\[(?i:rank) ?(?P<n>\d{1,6})\]|\brank[= ](?P<m>\d{1,6})\b")
 FILE_RANK_TAG = re.compile(rb"\[rank(\d{1,6})\]")
 
 
+def _prefix(line: str) -> re.Match[str] | None:
+    m = _PREFIX_RE.match(line)
+    if m is None or m.end() == 0:
+        return None
+    if m.group("host") is not None and m.group("host").endswith(".py"):
+        return None  # ``[train.py:42] ...``: a logger's file and line, not a host and rank
+    return m
+
+
 def has_prefix(line: str) -> bool:
-    return _PREFIX_RE.match(line) is not None
+    """Whether a launcher or PyTorch prefix names the line's rank or local rank, so strongly that
+    it beats the rank of the file (a bare ``srun --label`` number does not: ``3: ...`` may be
+    anybody's text)."""
+    m = _prefix(line)
+    return m is not None and (m.group("tags") or m.group("mpi") or m.group("hostrank")) is not None
 
 
 def line_rank(line: str) -> tuple[int | None, int | None]:
     """(rank, local_rank) named by a line's prefix, strongest signal first; (None, None) if none.
 
-    ``[default0]:[rank2]: ...`` (torchrun --tee around PyTorch's own prefix) gives (2, 0).
+    ``[default0]:[rank2]: ...`` (torchrun --tee around PyTorch's own prefix) gives (2, 0);
+    `` 3: [rank2]: ...`` (srun --label around it) gives (2, None); `` 3: Traceback`` gives (3, None).
     """
-    m = _PREFIX_RE.match(line)
+    m = _prefix(line)
     rank: int | None = None
     local: int | None = None
     if m:
-        for part in _PREFIX_PART.finditer(m.group(0)):
-            if part.group("kind") == "rank":
-                rank = int(part.group("n"))
-            else:
-                local = int(part.group("n"))
+        tags = m.group("tags")
+        if tags:
+            for part in _PREFIX_PART.finditer(tags):
+                if part.group("kind") == "rank":
+                    rank = int(part.group("n"))
+                else:
+                    local = int(part.group("n"))
+        if rank is None:
+            outer = m.group("mpi") or m.group("hostrank")
+            if outer is not None:
+                rank = int(outer)
+            elif m.group("srun") is not None and local is None:
+                rank = int(m.group("srun"))
         rest = line[m.end() :]
     else:
         rest = line
@@ -163,8 +210,8 @@ def line_rank(line: str) -> tuple[int | None, int | None]:
 
 
 def strip_prefix(line: str) -> str:
-    """The line without leading ``[rank3]:`` / ``[default3]:`` prefixes (and one space after)."""
-    m = _PREFIX_RE.match(line)
+    """The line without its launcher and rank prefixes (and one space after)."""
+    m = _prefix(line)
     return line[m.end() :] if m else line
 
 

@@ -42,6 +42,7 @@ MAX_FOLD_LINES = 400
 MAX_CARRY = 512 * 1024
 TRUNCATED_MARKER = b" [denpex: line truncated]"
 TS_LOOKBACK_LINES = 64
+NEIGHBOUR_LINES = 20  # lines before an unprefixed record that may lend it their rank
 HEAD_BYTES = 64 * 1024  # `[rankN]` tags in a file's first bytes tell whose file it is
 DOMINANT_SHARE = 0.9
 DENSE_SAMPLES = 32  # a file's first step lines are all samples (a short job has few) ...
@@ -57,6 +58,7 @@ _ERROR = SEVERITIES.index("error")
 _EL_RANK = re.compile(r"^\s*rank\s*:\s*(?P<rank>\d+)\s*\(local_rank:\s*(?P<local>\d+)\)")
 _EL_EXIT = re.compile(r"^\s*exitcode\s*:\s*(?P<code>-?\d+)")
 _EL_SIGNAL = re.compile(r"Signal\s+(?P<sig>\d+)\s+\((?P<name>SIG[A-Z0-9]+)\)")
+_RANK_TAG = re.compile(r"\[(?i:rank) ?\d{1,6}\]")
 _EL_HOST = re.compile(r"^\s*host\s*:\s*(?P<host>\S+)")
 
 
@@ -500,6 +502,8 @@ class LineScanner:
         else:
             text = line
         self.stats.replaced_chars += text.count("\ufffd")
+        if rank is None and prefix_local is None and rule.role in ("root-cause", "symptom"):
+            rank = self._neighbour_rank(buf, hit.start, text)
         offset = self._base + hit.start
         return Event(
             id=event_id(src.agent, src.identity, offset),
@@ -572,6 +576,25 @@ class LineScanner:
             if dominant is not None:
                 return dominant
         return line_rank_
+
+    def _neighbour_rank(self, buf: bytes, pos: int, text: str) -> int | None:
+        """The rank of an unprefixed record (a traceback in a merged stream) from the lines just
+        before it: when the ranks they name are one and the same, and the record's own lines name
+        no other. Decided by the bytes up to the record's end, so the same however they were read."""
+        before = _last_lines(buf, pos, NEIGHBOUR_LINES)
+        for seg in reversed(self._segments):
+            if len(before) >= NEIGHBOUR_LINES:
+                break
+            before = _last_lines(seg, len(seg), NEIGHBOUR_LINES - len(before)) + before
+        named = {r for r in map(_tagged_rank, before) if r is not None}
+        if len(named) != 1:
+            return None
+        (rank,) = named
+        for inner in text.split("\n")[1:NEIGHBOUR_LINES]:
+            r = _tagged_rank(inner)
+            if r is not None and r != rank:
+                return None
+        return rank
 
     def _add_tags(self, data: bytes, base: int) -> None:
         """Count the tags in ``data`` (file offset ``base``) that were not counted yet."""
@@ -755,6 +778,15 @@ def _last_lines(data: bytes, end: int, count: int) -> list[str]:
         raw = raw[-count:]
     lines = b"\n".join(raw).decode("utf-8", "replace").split("\n")
     return [line[:MAX_CONTEXT_LINE] for line in lines]
+
+
+def _tagged_rank(line: str) -> int | None:
+    """The rank a line's launcher prefix or a bracketed ``[rank3]``/``[Rank 3]`` tag names (not a
+    rank the prose mentions, as in "waiting for rank 0")."""
+    rank, _local = line_rank(line)
+    if rank is None or has_prefix(line) or _RANK_TAG.search(line, 0, 160):
+        return rank
+    return None
 
 
 def _role_rank(role: str) -> int:

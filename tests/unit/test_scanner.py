@@ -278,3 +278,33 @@ def test_context_is_the_lines_right_before_the_event(unit_matcher: Matcher) -> N
         assert ev.context == lines[-100:]
     (ev,) = [e for e in _scan(unit_matcher, b"a\nb\nKilled\n", None, context_lines=100) if e.kind == "match"]
     assert ev.context == ["a", "b"]
+
+
+MERGED = (
+    "[2023-12-11 16:39:34,450] [INFO] [logging.py:96:log_dist] [Rank 3] step=120, skipped=0, lr=[1e-05]\n"
+    "[2023-12-11 16:39:35,112] [INFO] [logging.py:96:log_dist] [Rank 3] step=121, skipped=0, lr=[1e-05]\n"
+    "Traceback (most recent call last):\n"
+    '  File "train.py", line 88, in <module>\n'
+    "    loss.backward()\n"
+    "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB.\n"
+)
+
+
+def test_an_unprefixed_traceback_takes_the_rank_its_stream_agrees_on(unit_matcher: Matcher) -> None:
+    oom = next(e for e in _scan(unit_matcher, MERGED.encode()) if e.rule == "cuda-oom")
+    assert oom.rank == 3
+    # the lines before it name two ranks: no rank is guessed
+    mixed = MERGED.replace("[Rank 3] step=121", "[Rank 5] step=121")
+    oom = next(e for e in _scan(unit_matcher, mixed.encode()) if e.rule == "cuda-oom")
+    assert oom.rank is None
+    # prose that mentions a rank lends none
+    prose = MERGED.replace("[Rank 3] ", "waiting for rank 3 ")
+    oom = next(e for e in _scan(unit_matcher, prose.encode()) if e.rule == "cuda-oom")
+    assert oom.rank is None
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.integers(min_value=1, max_value=97), min_size=1, max_size=8))
+def test_a_neighbours_rank_does_not_depend_on_read_sizes(unit_matcher: Matcher, sizes: list[int]) -> None:
+    data = (MERGED * 3).encode()
+    assert [_key(e) for e in _scan(unit_matcher, data, sizes)] == [_key(e) for e in _scan(unit_matcher, data)]
