@@ -209,6 +209,19 @@ def line_rank(line: str) -> tuple[int | None, int | None]:
     return rank, local
 
 
+def stream_key(line: str) -> str:
+    """Which interleaved stream of a merged log the line belongs to: its launcher and rank
+    prefixes without a timestamp before them ("" for a line without any). The lines of one
+    worker's traceback share it while other workers' lines interleave with them."""
+    m = _prefix(line)
+    if m is None:
+        return ""
+    tags = m.group("tags")
+    return f"{m.group('mpi') or ''}|{m.group('hostrank') or ''}|{m.group('srun') or ''}|" + (
+        tags.replace(" ", "") if tags else ""
+    )
+
+
 def strip_prefix(line: str) -> str:
     """The line without its launcher and rank prefixes (and one space after)."""
     m = _prefix(line)

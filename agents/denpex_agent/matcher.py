@@ -24,7 +24,7 @@ from typing import Any
 import orjson
 
 from denpex_agent.errors import PatternTimeout
-from denpex_agent.rules import ROLES, Rule, RuleSet
+from denpex_agent.rules import LEVEL_MARKER, ROLES, Rule, RuleSet
 
 log = logging.getLogger(__name__)
 
@@ -50,9 +50,19 @@ class Hit:
     fields: dict[str, Any]
 
 
-def _preference(rule: Rule) -> tuple[int, int]:
-    """Lower sorts first: higher severity, then root-cause before symptom before collateral."""
-    return (-rule.severity_level, _ROLE_ORDER[rule.role])
+def _vocabulary(pattern: str) -> str:
+    """What the scan looks for of a fallback pattern: its vocabulary, without the level marker
+    and look-arounds (a superset of the lines the pattern matches, which it then verifies)."""
+    return _LOOKAROUND.sub("", pattern[len(LEVEL_MARKER) :])
+
+
+_LOOKAROUND = re.compile(r"\(\?<?[=!][^()]*\)")
+
+
+def _preference(rule: Rule) -> tuple[bool, int, int]:
+    """Lower sorts first: a signature before a vocabulary fallback, then higher severity, then
+    root-cause before symptom before collateral."""
+    return (rule.fallback, -rule.severity_level, _ROLE_ORDER[rule.role])
 
 
 class PatternDatabase:
@@ -207,8 +217,14 @@ class Matcher:
         self.max_line_chars = max_line_chars
         self.timeouts: dict[str, int] = {}  # rule id -> lines on which a pattern timed out
         self._order = {r.id: i for i, r in enumerate(self.rules)}
+        # A fallback rule's patterns are the level marker, then a vocabulary: the scan looks for
+        # the vocabulary alone, and the rule's whole regex verifies the few lines that have it.
         self._db = PatternDatabase(
-            [(i, p, r.ignore_case) for i, r in enumerate(self.rules) for p in r.patterns]
+            [
+                (i, _vocabulary(p) if r.fallback else p, r.ignore_case)
+                for i, r in enumerate(self.rules)
+                for p in r.patterns
+            ]
         )
         self._progress_db = PatternDatabase(
             [(i, p, r.ignore_case) for i, r in enumerate(self.progress_rules) for p in r.patterns]
@@ -276,7 +292,7 @@ class Matcher:
         """Verify a line against candidate rules (all rules when None) and pick the best."""
         line = self._decode(buf, start, end)
         pool = self.rules if candidates is None else [self.rules[c] for c in candidates]
-        best: tuple[tuple[int, int, int], Rule, dict[str, Any]] | None = None
+        best: tuple[tuple[bool, int, int, int], Rule, dict[str, Any]] | None = None
         for rule in pool:
             fields = self.search(rule, line)
             if fields is None:

@@ -95,7 +95,15 @@ _RULE_KEYS = frozenset(
         "examples",
         "counterexamples",
         "scope",
+        "fallback",
     }
+)
+# Every pattern of a fallback (vocabulary) rule is this level marker, then the vocabulary within
+# the rest of the line: an upper-case level word, "Warning:"/"Error:" (also a Python warning class
+# such as "UserWarning:"), or a glog/c10 level letter with its date. The matcher scans for the
+# vocabulary alone (rare words in a healthy log) and verifies the whole pattern on those lines.
+LEVEL_MARKER = (
+    r"(?:\b(?:WARN(?:ING)?|ERROR|CRITICAL|FATAL)\b|Warning:|\bError:|\b[WE]\d{4} \d\d:\d\d:\d\d).{0,300}?"
 )
 SCOPES = ("rank", "job")  # job: the message is about the job's set-up, not one rank's failure
 _REQUIRED_TEXT = ("root_cause", "fix", "verify")
@@ -132,6 +140,9 @@ class Rule:
     counterexamples: tuple[str, ...]
     source: str
     scope: str = "rank"
+    # a vocabulary rule: it classifies a WARN/ERROR line no other rule matches (any other rule
+    # that matches the line wins), and the engine takes its events as weak evidence
+    fallback: bool = False
 
     def search(self, line: str) -> dict[str, int | float | str] | None:
         """Match one line; return the extracted fields ({} when none) or None. Raises
@@ -356,11 +367,18 @@ def _build_rule(src: str, raw: Mapping[str, Any], default_category: Any) -> Rule
     scope = raw.get("scope", "rank")
     if scope not in SCOPES:
         raise RuleError(src, rid, f"'scope' must be one of {', '.join(SCOPES)}")
+    fallback = raw.get("fallback", False)
+    if not isinstance(fallback, bool):
+        raise RuleError(src, rid, "'fallback' must be true or false")
+    if fallback and (role != "symptom" or severity != "warning"):
+        raise RuleError(src, rid, "a fallback rule is a warning-severity symptom")
 
     patterns = strings("patterns")
     if not patterns:
         raise RuleError(src, rid, "'patterns' must hold at least one regex")
     regexes = tuple(_compile(src, rid, p, ignore_case) for p in patterns)
+    if fallback and not all(p.startswith(LEVEL_MARKER) for p in patterns):
+        raise RuleError(src, rid, f"a fallback rule's patterns start with the level marker {LEVEL_MARKER}")
 
     examples = tuple(_example(src, rid, e) for e in raw.get("examples", []))
     counterexamples = strings("counterexamples")
@@ -387,6 +405,7 @@ def _build_rule(src: str, raw: Mapping[str, Any], default_category: Any) -> Rule
         counterexamples=counterexamples,
         source=src,
         scope=scope,
+        fallback=fallback,
     )
 
 

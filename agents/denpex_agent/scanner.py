@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from denpex_agent.attribution import FILE_RANK_TAG, has_prefix, line_rank, strip_prefix
+from denpex_agent.attribution import FILE_RANK_TAG, has_prefix, line_rank, stream_key, strip_prefix
 from denpex_agent.events import Event, event_id
 from denpex_agent.masking import mask, mask_lines
 from denpex_agent.matcher import Hit, Matcher, line_bounds
@@ -296,11 +296,15 @@ class LineScanner:
             # seen, is the same whatever comes of the buffer (events only look at earlier ones)
             self._add_tags(buf[: min(cut, HEAD_BYTES - self._base)], self._base)
         events: list[Event] = []
+        spans: list[tuple[int, int]] = []  # (start, end) of each record in `events`
         consumed = cut
-        absorbed_until = -1
+        # Where the last record of each interleaved stream (see `stream_key`) ends: hits inside
+        # it belong to it. Another worker's lines between a traceback's lines are its own.
+        absorbed: dict[str, int] = {}
         counter = _LineCounter(buf, self._line_no)
         for idx, hit in enumerate(hits):
-            if hit.start < absorbed_until:
+            key = stream_key(hit.line)
+            if hit.start < absorbed.get(key, -1):
                 continue
             fields: dict[str, Any] = dict(hit.fields)
             rule = hit.rule
@@ -308,7 +312,7 @@ class LineScanner:
             if rule.fold == "python-traceback":
                 folded = self._fold_traceback(buf, hit, hits[idx + 1 :], cut, mode)
                 if folded is None:
-                    consumed = hit.start
+                    consumed = self._rewind(events, spans, hit.start)
                     break
                 block_end, best, exc_text = folded
                 if best is not None:
@@ -318,18 +322,20 @@ class LineScanner:
             if rule.fold == "elastic-failure":
                 efold = self._fold_elastic(buf, block_end, cut, mode)
                 if efold is None:
-                    consumed = hit.start
+                    consumed = self._rewind(events, spans, hit.start)
                     break
                 block_end, extra = efold
                 fields.update(extra)
             if rule.severity_level >= _ERROR:
                 stack_end = self._fold_cpp_stack(buf, block_end, cut, mode)
                 if stack_end is None:
-                    consumed = hit.start
+                    consumed = self._rewind(events, spans, hit.start)
                     break
                 block_end = stack_end
-            absorbed_until = block_end
+            absorbed[key] = block_end
+            absorbed[""] = max(absorbed.get("", -1), block_end)  # unprefixed lines join any stream's record
             events.append(self._event(buf, hit, rule, fields, block_end, counter))
+            spans.append((hit.start, block_end))
         if consumed > 0:
             # samples come in buffer order: their own counter then runs forward once, and
             # `_advance` takes the line count from where it stopped
@@ -340,6 +346,21 @@ class LineScanner:
                 events.extend(self.due_progress())
         self.stats.events += sum(1 for e in events if e.kind == "match")
         return events, consumed
+
+    @staticmethod
+    def _rewind(events: list[Event], spans: list[tuple[int, int]], cut: int) -> int:
+        """The buffer may be consumed only up to ``cut`` (a record there is not complete yet):
+        records of other streams that began before it but reach past it are taken back, to be
+        read again whole with the bytes still to come."""
+        while spans and max(end for _s, end in spans) > cut:
+            i = max(range(len(spans)), key=lambda j: spans[j][1])
+            cut = min(cut, spans[i][0])
+            del spans[i], events[i]
+        # records are in buffer order: drop the ones that start at or after the new cut
+        while spans and spans[-1][0] >= cut:
+            spans.pop()
+            events.pop()
+        return cut
 
     def _advance(self, buf: bytes, consumed: int, counter: _LineCounter | None = None) -> None:
         n = buf.count(b"\n", 0, consumed) if counter is None else counter.line_at(consumed) - self._line_no
@@ -357,19 +378,19 @@ class LineScanner:
 
     # -- folds --------------------------------------------------------------------------------
 
-    def _lines_from(self, buf: bytes, pos: int, cut: int) -> Any:
+    def _lines_from(self, buf: bytes, pos: int, cut: int, key: str | None = None) -> Any:
+        """(start, end, text without prefixes) of the lines from ``pos``; with ``key``, only the
+        lines of that stream and unprefixed ones (lines of other streams are passed over)."""
         count = 0
         while pos < cut and count < MAX_FOLD_LINES:
             end = buf.find(b"\n", pos, cut)
             if end < 0:
                 end = cut
-            yield (
-                pos,
-                end,
-                strip_prefix(buf[pos : min(end, pos + MAX_CONTEXT_LINE)].decode("utf-8", "replace")),
-            )
+            raw = buf[pos : min(end, pos + MAX_CONTEXT_LINE)].decode("utf-8", "replace")
+            if key is None or stream_key(raw) in (key, ""):
+                yield pos, end, strip_prefix(raw)
+                count += 1
             pos = end + 1
-            count += 1
 
     def _fold_traceback(
         self, buf: bytes, header: Hit, later: list[Hit], cut: int, mode: int
@@ -380,7 +401,8 @@ class LineScanner:
         state = "frames"
         block_end = -1
         blanks = 0
-        for _start, end, text in self._lines_from(buf, header.end + 1, cut):
+        key = stream_key(header.line)
+        for _start, end, text in self._lines_from(buf, header.end + 1, cut, key):
             if state == "frames":
                 if (
                     not text.strip()
@@ -416,8 +438,12 @@ class LineScanner:
                 return None
         if block_end < 0:
             block_end = header.end
-        inside = [h for h in later if h.start <= block_end]
-        best = min(inside, key=lambda h: (-h.rule.severity_level, _role_rank(h.rule.role)), default=None)
+        inside = [h for h in later if h.start <= block_end and stream_key(h.line) in (key, "")]
+        best = min(
+            inside,
+            key=lambda h: (h.rule.fallback, -h.rule.severity_level, _role_rank(h.rule.role)),
+            default=None,
+        )
         return block_end, best, exc_text
 
     def _fold_cpp_stack(self, buf: bytes, end: int, cut: int, mode: int) -> int | None:
@@ -497,6 +523,10 @@ class LineScanner:
         ts, ts_source = self._timestamp(buf, hit.start, line)
         if block_end > hit.end:
             text = buf[hit.start : block_end].decode("utf-8", "replace")
+            key = stream_key(line)
+            lines = text.split("\n")
+            if any(stream_key(x) not in (key, "") for x in lines[1:]):
+                text = "\n".join(x for x in lines if stream_key(x) in (key, ""))
             if len(text) > MAX_EVENT_TEXT:
                 text = text[: MAX_EVENT_TEXT // 4] + "\n[...]\n" + text[-MAX_EVENT_TEXT // 2 :]
         else:

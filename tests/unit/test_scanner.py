@@ -308,3 +308,36 @@ def test_an_unprefixed_traceback_takes_the_rank_its_stream_agrees_on(unit_matche
 def test_a_neighbours_rank_does_not_depend_on_read_sizes(unit_matcher: Matcher, sizes: list[int]) -> None:
     data = (MERGED * 3).encode()
     assert [_key(e) for e in _scan(unit_matcher, data, sizes)] == [_key(e) for e in _scan(unit_matcher, data)]
+
+
+def _interleaved() -> bytes:
+    # two workers' tracebacks through torchrun --tee, line by line interleaved (their real order
+    # in tests/fixtures/jobs/norm_overflow_rms/node1/torchrun.log)
+    a = [
+        "[default0]:[rank0]: Traceback (most recent call last):",
+        '[default0]:[rank0]:   File "train.py", line 9, in <module>',
+        "[default0]:[rank0]: RuntimeError: loss scale reduced on 3 consecutive steps (now 512)",
+    ]
+    b = [
+        "[default1]:[rank1]: Traceback (most recent call last):",
+        '[default1]:[rank1]:   File "train.py", line 9, in <module>',
+        "[default1]:[rank1]: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB.",
+    ]
+    lines = [x for pair in zip(a, b, strict=True) for x in pair] + ["[default0]:done", "[default1]:done"]
+    return ("\n".join(lines) + "\n").encode()
+
+
+def test_interleaved_tracebacks_of_two_workers_are_two_records(unit_matcher: Matcher) -> None:
+    events = [e for e in _scan(unit_matcher, _interleaved()) if e.kind == "match"]
+    by_rank = {e.rank: e for e in events}
+    assert sorted(by_rank) == [0, 1]
+    assert by_rank[1].rule == "cuda-oom"
+    assert "RuntimeError" not in by_rank[1].text and "[default0]" not in by_rank[1].text
+    assert "RuntimeError" in by_rank[0].text and "[default1]" not in by_rank[0].text
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(min_value=1, max_value=61), min_size=1, max_size=8))
+def test_interleaved_records_do_not_depend_on_read_sizes(unit_matcher: Matcher, sizes: list[int]) -> None:
+    data = _interleaved() * 2
+    assert [_key(e) for e in _scan(unit_matcher, data, sizes)] == [_key(e) for e in _scan(unit_matcher, data)]
