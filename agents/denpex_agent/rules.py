@@ -15,10 +15,18 @@ A rule file (``rules/<category>.toml``) looks like::
     fix = "..."
     verify = "..."
     references = ["https://..."]
-    examples = ["RuntimeError: [../third_party/gloo/...] Connection closed by peer [127.0.0.1]:5678"]
+    examples = [
+      "RuntimeError: [../third_party/gloo/...] Connection closed by peer [127.0.0.1]:5678",
+      { text = "... Connection closed by peer [10.0.0.3]:41234", source = "https://..." },
+    ]
     counterexamples = ["Connection closed by peer: retrying (1/3)"]
     # scope = "job"                     # optional: the message is about the job's set-up
     #                                     (two ranks on one GPU), so no rank is its initiator
+
+An example is a line the rule must match, as a string or a table ``{ text, fields, source }``:
+``fields`` are the values its named groups must extract, ``source`` the http(s) address of the
+public thread or page the line was copied from (lines written for the project, such as the
+fixtures recorded from its own runs, have none).
 
 Patterns are Python regular expressions applied to one line (without its newline), searched
 anywhere in it; ``^``/``$`` are the line's ends; a pattern never sees more than its line, so
@@ -111,10 +119,12 @@ _REQUIRED_TEXT = ("root_cause", "fix", "verify")
 
 @dataclass(frozen=True, slots=True)
 class Example:
-    """A line a rule must match, optionally with the fields it must extract."""
+    """A line a rule must match, optionally with the fields it must extract and the address of
+    the public thread or page it was copied from (None: written for the project)."""
 
     text: str
     fields: Mapping[str, int | float | str] = field(default_factory=dict)
+    source: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -427,15 +437,24 @@ def _compile(src: str, rid: str, pattern: str, ignore_case: bool) -> regex.Patte
     return rx
 
 
+_EXAMPLE_KEYS = frozenset({"text", "fields", "source"})
+_SOURCE_RE = re.compile(r"^https?://\S+$")
+
+
 def _example(src: str, rid: str, raw: Any) -> Example:
     if isinstance(raw, str):
         return Example(text=raw)
-    if isinstance(raw, dict) and set(raw) <= {"text", "fields"} and isinstance(raw.get("text"), str):
+    if isinstance(raw, dict) and set(raw) <= _EXAMPLE_KEYS and isinstance(raw.get("text"), str):
         fields = raw.get("fields", {})
         if not isinstance(fields, dict):
             raise RuleError(src, rid, "example 'fields' must be a table")
-        return Example(text=raw["text"], fields=dict(fields))
-    raise RuleError(src, rid, "an example is a string or {text = ..., fields = {...}}")
+        source = raw.get("source")
+        if source is not None and (not isinstance(source, str) or not _SOURCE_RE.match(source)):
+            raise RuleError(src, rid, f"example 'source' must be an http(s) address, got {source!r}")
+        return Example(text=raw["text"], fields=dict(fields), source=source)
+    raise RuleError(
+        src, rid, 'an example is a string or {text = ..., fields = {...}, source = "https://..."}'
+    )
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,118 @@
+"""Rules that match a family of messages, each proven by real lines from several public threads.
+
+A family rule keeps at least three examples copied from public threads, pages or logbooks, from
+at least three different sources (lines written for the project do not count), every example
+matches with its fields, no counterexample (the same words, not the failure) matches, and the
+compiled matcher attributes every real example line to the family rule itself, not to a neighbour.
+No example may come from a thread that the public-logs corpus (tests/fixtures/public/) scores.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from denpex_agent.errors import RuleError
+from denpex_agent.matcher import Matcher
+from denpex_agent.rules import load_rules, self_test
+
+REPO = Path(__file__).parents[2]
+PUBLIC = REPO / "tests" / "fixtures" / "public"
+
+FAMILY_RULES = (
+    # numerical-instability
+    "autograd-anomaly-nan",
+    "deepspeed-loss-scale-overflow",
+    "apex-gradient-overflow",
+    # hang
+    "nccl-watchdog-timeout",
+    "nccl-watchdog-status",
+    "fr-dump-signal-from-rank",
+    "fr-dump-signal-local",
+    # communication
+    "nccl-warn-connection-closed",
+    "nccl-warn-socket-connect-failed",
+    # configuration
+    "client-socket-timeout",
+    "invalid-device-ordinal",
+    "nccl-shm-ipc-setup-failed",
+    # hardware
+    "cuda-error-device-fault",
+    # process-killed
+    "deepspeed-launcher-worker-exit",
+    "deepspeed-launcher-killing-subprocess",
+)
+MIN_SOURCES = 3
+
+RULES = load_rules()
+
+
+@pytest.fixture(scope="module")
+def matcher() -> Matcher:
+    return Matcher(RULES)
+
+
+def _scored_threads() -> set[str]:
+    return {json.loads(p.read_text())["source"] for p in PUBLIC.glob("*/truth.json")}
+
+
+@pytest.mark.parametrize("rule_id", FAMILY_RULES)
+def test_family_has_real_examples_from_several_sources(rule_id: str) -> None:
+    rule = RULES.get(rule_id)
+    assert rule is not None, f"{rule_id} is not in the library"
+    real = [ex for ex in rule.examples if ex.source is not None]
+    assert len(real) >= MIN_SOURCES, f"{rule_id}: {len(real)} real examples"
+    sources = {ex.source for ex in real}
+    assert len(sources) >= MIN_SOURCES, f"{rule_id}: examples from only {sorted(sources)}"
+    assert rule.counterexamples, f"{rule_id} has no counterexample"
+
+
+@pytest.mark.parametrize("rule_id", FAMILY_RULES)
+def test_family_examples_match_and_counterexamples_do_not(rule_id: str) -> None:
+    rule = RULES.get(rule_id)
+    assert rule is not None
+    failures = self_test([rule])
+    assert not failures, "\n".join(f.reason for f in failures)
+
+
+@pytest.mark.parametrize("rule_id", FAMILY_RULES)
+def test_family_wins_its_example_lines(matcher: Matcher, rule_id: str) -> None:
+    rule = RULES.get(rule_id)
+    assert rule is not None
+    for ex in (e for e in rule.examples if e.source is not None):
+        data = ex.text.encode()
+        hit = matcher.classify_line(data, 0, len(data))
+        assert hit is not None and hit.rule.id == rule_id, (
+            f"{ex.text!r} goes to {hit.rule.id if hit else None}, not {rule_id}"
+        )
+
+
+def test_no_example_comes_from_a_scored_thread() -> None:
+    scored = _scored_threads()
+    assert scored, "the public corpus has no truth.json files"
+    used = {ex.source for r in RULES for ex in r.examples if ex.source is not None}
+    assert not used & scored, f"examples taken from scored threads: {sorted(used & scored)}"
+
+
+def _rule_file(tmp_path: Path, example: str) -> Path:
+    path = tmp_path / "r.toml"
+    path.write_text(
+        "schema = 1\ncategory = 'hardware'\n[[rule]]\nid = 'x-rule'\ntitle = 't'\nseverity = 'error'\n"
+        "role = 'root-cause'\npatterns = ['boom']\nroot_cause = 'r'\nfix = 'f'\nverify = 'v'\n"
+        f"examples = [{example}]\ncounterexamples = ['calm']\n"
+    )
+    return path
+
+
+def test_example_source_is_kept(tmp_path: Path) -> None:
+    rules = load_rules(_rule_file(tmp_path, "{ text = 'boom', source = 'https://example.org/t/1' }"))
+    (ex,) = rules.rules[0].examples
+    assert ex.source == "https://example.org/t/1"
+
+
+@pytest.mark.parametrize("bad", ["'github.com/o/r/issues/1'", "3", "''", "'https://a b'"])
+def test_example_source_must_be_an_address(tmp_path: Path, bad: str) -> None:
+    with pytest.raises(RuleError, match="source"):
+        load_rules(_rule_file(tmp_path, f"{{ text = 'boom', source = {bad} }}"))
