@@ -1,0 +1,55 @@
+"""The hang suspect: when something failed but no rank names a cause (ranks only time out), the
+rank whose progress stopped first.
+
+Ranks are ordered by: most often named as the culprit by hang or communication reports
+(``culprit_rank``), then silent before those that logged anything, then the lowest last step,
+then the earliest time of that step on the reference clock, then rank and node. Every rank that
+ties with the first on the first three is a suspect, and they share the confidence.
+"""
+
+from __future__ import annotations
+
+import math
+
+from denpexd.analysis.story import MAX_CANDIDATES_SHOWN, Candidate
+from denpexd.analysis.tracks import Aggregates, Aligned, RankTrack, Tracks
+
+HANG_RULE = "hang-rank-stopped-progress"
+
+
+def hang_suspect(aggs: Aggregates, tracks: Tracks, aligned: Aligned) -> tuple[list[Candidate], int]:
+    """The first MAX_CANDIDATES_SHOWN of the tied suspects (kind ``hang``) and how many are tied;
+    ([], 0) when no track has a rank."""
+    ranks = [t for t in tracks.values() if t.rank is not None]
+    if not ranks:
+        return [], 0
+    loud = {(n, r) for (n, r, _rule), a in aggs.items() if r is not None and a.first.role != "progress"}
+    hints: dict[int, int] = {}
+    for a in aggs.values():
+        cr = a.first.fields.get("culprit_rank")
+        if isinstance(cr, int) and a.first.category in ("hang", "communication"):
+            hints[cr] = hints.get(cr, 0) + a.count
+
+    def key(t: RankTrack) -> tuple[int, int, int, float, int, str]:
+        hinted = -hints.get(t.rank if t.rank is not None else -1, 0)
+        silent = 0 if (t.node, t.rank) not in loud else 1
+        step = t.last_step if t.last_step is not None else -1
+        at = aligned(t.node, t.last_step_ts)
+        return (hinted, silent, step, at if at is not None else math.inf, t.rank or 0, t.node)
+
+    keyed = sorted((key(t), i) for i, t in enumerate(ranks))
+    best = keyed[0][0][:3]
+    tied = [ranks[i] for k, i in keyed if k[:3] == best]
+    return [
+        Candidate(
+            t.node,
+            t.rank,
+            HANG_RULE,
+            "hang",
+            t.last_step_ts,
+            aligned(t.node, t.last_step_ts),
+            t.last_progress,
+            "hang",
+        )
+        for t in tied[:MAX_CANDIDATES_SHOWN]
+    ], len(tied)

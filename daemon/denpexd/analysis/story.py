@@ -1,0 +1,139 @@
+"""Which rank broke first: the candidates, their order and their confidence.
+
+The rule of choice:
+
+1. Candidates are the first event of every (rank, rule) whose rule is a root cause or a symptom,
+   except symptoms of a category no root cause of the job has (a NET warning before an OOM is
+   another story), and events more than the look-back before the failure's start (the earliest
+   error, on the reference clock). An event naming only a local rank is given its global rank
+   (`ranks.global_rank`).
+2. Without any, torchrun's report of a worker killed by SIGKILL names that worker (`killed`).
+3. Without any and with something failed, the engine asks `hang.hang_suspect` for the rank
+   whose progress stopped first (`hang`).
+4. Each rank is represented by its earliest candidate, and ranks are ordered by
+   `candidate_order`: aligned time (unknown last), a named rank before an unknown one, then rank,
+   node and the event's own order. The first is the initiator.
+5. Confidence: each rank weighs exp(-Δt / σ), Δt its lag behind the first and σ the two nodes'
+   combined clock uncertainty (1 ms on the same node, at least 1 ms); a rank without a time
+   weighs 0 (all alike when the first has none either); the weights are normalised to sum to 1.
+   Hang suspects share it equally among all those tied.
+
+`scope.job_wide` then decides whether the failure belongs to the job rather than to that rank.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from denpex_agent.events import Event
+from denpexd.analysis.ranks import global_rank
+from denpexd.analysis.tracks import Aggregate, Aggregates, Aligned, TrackKey, Tracks, event_order
+from denpexd.clock import ClockEstimate
+
+KILLED_RULE = "torchrun-worker-sigkill"
+MAX_CANDIDATES_SHOWN = 64  # candidates listed in a diagnosis (best first)
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    node: str
+    rank: int | None
+    rule: str
+    category: str
+    ts: float | None
+    aligned: float | None
+    event: Event | None
+    kind: str  # event | hang | killed
+
+
+def candidate_order(c: Candidate) -> tuple[bool, float, bool, int, str, tuple[bool, float, str, int, str]]:
+    """Earliest aligned time first; at equal times a named rank before an unknown one, then by
+    rank, node and the event's own order: one rule, whatever the arrival order."""
+    ev_key = event_order(c.event) if c.event is not None else (True, 0.0, "", 0, "")
+    return (
+        c.aligned is None,
+        c.aligned if c.aligned is not None else 0.0,
+        c.rank is None,
+        c.rank if c.rank is not None else 0,
+        c.node,
+        ev_key,
+    )
+
+
+def candidates(
+    aggs: Aggregates,
+    tracks: Tracks,
+    failing: list[Aggregate],
+    failure_start: float | None,
+    aligned: Aligned,
+    *,
+    lookback_s: float,
+    nodes: list[str],
+) -> list[Candidate]:
+    """Steps 1 and 2 above: every candidate (not yet one per rank), or none when nothing failed.
+    ``nodes`` are all the job's nodes (a job of one node takes local ranks as global ranks)."""
+    if not failing:
+        return []
+    root_categories = {a.first.category for a in aggs.values() if a.first.role == "root-cause"}
+    pool: list[Candidate] = []
+    for (node, rank, _rule), a in aggs.items():
+        ev = a.first
+        if ev.role not in ("root-cause", "symptom"):
+            continue
+        if ev.role == "symptom" and root_categories and ev.category not in root_categories:
+            continue  # a symptom of another story (e.g. a NET warning before an OOM)
+        at = aligned(node, ev.ts)
+        if at is not None and failure_start is not None and at < failure_start - lookback_s:
+            continue
+        if rank is None and isinstance(ev.fields.get("local_rank"), int):
+            rank = global_rank(node, ev.fields["local_rank"], tracks, nodes)
+        pool.append(Candidate(node, rank, ev.rule or "", ev.category or "", ev.ts, at, ev, "event"))
+    if not pool:
+        # torchrun saw a worker die by SIGKILL and nothing else names a cause: that worker.
+        for a in failing:
+            ev = a.first
+            f = ev.fields
+            if f.get("signal") == 9 or f.get("exitcode") == -9:
+                rank = f.get("culprit_rank")
+                if not isinstance(rank, int) and isinstance(f.get("local_rank"), int):
+                    rank = global_rank(ev.node, f["local_rank"], tracks, nodes)
+                at = aligned(ev.node, ev.ts)
+                pool.append(Candidate(ev.node, rank, KILLED_RULE, "process-killed", ev.ts, at, ev, "killed"))
+    return pool
+
+
+def rank_candidates(
+    pool: list[Candidate], clocks: dict[str, ClockEstimate], tied: int = 0
+) -> list[tuple[Candidate, float]]:
+    """Steps 4 and 5 above: the earliest candidate per rank, best first (highest confidence, then
+    earliest), each with a confidence; the confidences sum to 1. ``tied``: how many hang
+    suspects are tied when only the first of them are in ``pool``."""
+    best: dict[TrackKey, Candidate] = {}
+    for c in pool:
+        k = (c.node, c.rank)
+        cur = best.get(k)
+        if cur is None or candidate_order(c) < candidate_order(cur):
+            best[k] = c
+    ordered = sorted(best.values(), key=candidate_order)
+    if not ordered:
+        return []
+    first = ordered[0]
+    if first.kind == "hang":
+        share = 1.0 / max(len(ordered), tied)
+        return [(c, share) for c in ordered]
+    weights = []
+    for c in ordered:
+        if first.aligned is None:
+            # No times to order them by (all are without, as they sort last): alike.
+            weights.append(1.0)
+            continue
+        if c.aligned is None:
+            weights.append(0.0)
+            continue
+        u0 = clocks[first.node].uncertainty_s if first.node in clocks else 0.001
+        u1 = clocks[c.node].uncertainty_s if c.node in clocks else 0.001
+        sigma = 0.001 if c.node == first.node else max(math.hypot(u0, u1), 0.001)
+        weights.append(math.exp(-(c.aligned - first.aligned) / sigma))
+    total = sum(weights) or 1.0
+    return [(c, w / total) for c, w in zip(ordered, weights, strict=True)]

@@ -1,0 +1,210 @@
+"""What the engine keeps of a job's events: per-(node, rank, rule) aggregates of first events,
+per-rank progress tracks and per-node progress samples, and the one order of events.
+
+Every "first" is the least by `event_order` and every tie has one rule, so the state after a set
+of events is the same whatever order they were added in.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from array import array
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from denpex_agent.events import Event
+
+MAX_SAMPLES = 1024  # steps kept per node curve or per rank's data times (see StepSamples)
+
+
+def event_order(ev: Event) -> tuple[bool, float, str, int, str]:
+    """The one order of events: local time (unknown last), then file, offset and id."""
+    ts = ev.ts
+    return (ts is None, ts if ts is not None else 0.0, ev.file, ev.offset, ev.id)
+
+
+def progress_order(step: int, ev: Event) -> tuple[int, bool, float, str, int, str]:
+    """Which of two step lines is further along: the higher step, then the later line."""
+    ts = ev.ts
+    return (step, ts is not None, ts if ts is not None else 0.0, ev.file, ev.offset, ev.id)
+
+
+@dataclass(slots=True)
+class Aggregate:
+    """The first event (by `event_order`) of one rule on one rank, and how often it recurred."""
+
+    first: Event
+    count: int = 1
+    last_ts: float | None = None
+
+    def add(self, ev: Event) -> None:
+        self.count += 1
+        if ev.ts is not None and (self.last_ts is None or ev.ts > self.last_ts):
+            self.last_ts = ev.ts
+        if event_order(ev) < event_order(self.first):
+            self.first = ev
+
+    def merged(self, other: Aggregate) -> Aggregate:
+        first = other.first if event_order(other.first) < event_order(self.first) else self.first
+        lasts = [t for t in (self.last_ts, other.last_ts) if t is not None]
+        return Aggregate(first, self.count + other.count, max(lasts) if lasts else None)
+
+
+class StepSamples:
+    """Values per step, bounded to `MAX_SAMPLES` steps: beyond that only steps that are multiples
+    of a doubled stride are kept. The kept steps are the multiples of the smallest power-of-two
+    stride that leaves at most `MAX_SAMPLES` of the steps seen, whatever order they came in."""
+
+    __slots__ = ("by_step", "stride")
+
+    def __init__(self) -> None:
+        self.by_step: dict[int, array[float]] = {}
+        self.stride = 1
+
+    def add(self, step: int, value: float) -> bool:
+        """Keep ``value`` for ``step``; False when the step is thinned out."""
+        values = self.by_step.get(step)
+        if values is None:
+            if step % self.stride:
+                return False
+            values = self.by_step[step] = array("d")
+            if len(self.by_step) > MAX_SAMPLES:
+                self._thin()
+                values = self.by_step.get(step)
+                if values is None:
+                    return False
+        values.append(value)
+        return True
+
+    def _thin(self) -> None:
+        while len(self.by_step) > MAX_SAMPLES:
+            self.stride *= 2
+            self.by_step = {s: v for s, v in self.by_step.items() if s % self.stride == 0}
+
+    def values(self) -> list[float]:
+        return [v for vs in self.by_step.values() for v in vs]
+
+
+class NodeProgress(StepSamples):
+    """One node's progress samples, pooled over its ranks: step -> local times (one per sample).
+
+    Clock alignment only needs the node's curve (the median time per step over its ranks), so
+    samples are kept per node, not per rank: memory grows with nodes and steps, bounded as
+    `StepSamples` bounds it. The curve is cached until the node changes.
+    """
+
+    __slots__ = ("_curve",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._curve: list[tuple[int, float]] | None = None
+
+    def add(self, step: int, value: float) -> bool:
+        kept = super().add(step, value)
+        if kept:
+            self._curve = None
+        return kept
+
+    def _thin(self) -> None:
+        super()._thin()
+        self._curve = None
+
+    def samples(self) -> list[tuple[int, float]]:
+        return [(s, t) for s, times in self.by_step.items() for t in times]
+
+    def curve(self) -> list[tuple[int, float]]:
+        """The node's curve, as `clock.node_curve` computes it from `samples()`."""
+        if self._curve is None:
+            self._curve = [(s, statistics.median(self.by_step[s])) for s in sorted(self.by_step)]
+        return self._curve
+
+
+@dataclass(slots=True)
+class RankTrack:
+    """What hang detection, stragglers and the rank table need of one rank (no sample history).
+
+    Every progress event moves the rank's last step (the furthest by `progress_order`); only
+    samples, not tips, feed the node's clock curve and the rank's data times."""
+
+    node: str
+    rank: int | None
+    progress: NodeProgress
+    last_step: int | None = None
+    last_step_ts: float | None = None
+    last_progress: Event | None = None
+    data_times: StepSamples | None = None
+    # how many of this rank's events came from each file and under each local rank: the votes
+    # that give an event naming no global rank its rank (see analysis.ranks)
+    files: dict[str, int] = field(default_factory=dict)
+    locals: dict[int, int] = field(default_factory=dict)
+
+    def vote(self, ev: Event) -> None:
+        files = self.files
+        files[ev.file] = files.get(ev.file, 0) + 1
+        local = ev.local_rank
+        if local is not None:
+            self.locals[local] = self.locals.get(local, 0) + 1
+
+    @property
+    def samples(self) -> list[tuple[int, float]]:
+        """The node curve this rank's samples feed (its own samples are not kept)."""
+        return self.progress.curve()
+
+    def add(self, step: int, ts: float | None, ev: Event) -> None:
+        last_step = self.last_step
+        if (
+            last_step is None
+            or step > last_step
+            or (
+                step == last_step
+                and self.last_progress is not None
+                and progress_order(step, ev) > progress_order(step, self.last_progress)
+            )
+        ):
+            self.last_step, self.last_step_ts, self.last_progress = step, ts, ev
+        if ev.fields.get("tip"):
+            return
+        if self.rank is not None:
+            self.vote(ev)
+        if ts is None:
+            return
+        self.progress.add(step, ts)
+        dt = ev.fields.get("data_time")
+        if isinstance(dt, (int, float)) and not isinstance(dt, bool) and math.isfinite(dt):
+            if self.data_times is None:
+                self.data_times = StepSamples()
+            self.data_times.add(step, float(dt))
+
+    def copy(self) -> RankTrack:
+        dup = RankTrack(
+            self.node, self.rank, self.progress, self.last_step, self.last_step_ts, self.last_progress
+        )
+        dup.merge(self)
+        dup.files, dup.locals = self.files, self.locals  # read-only from here on
+        return dup
+
+    def merge(self, other: RankTrack) -> None:
+        """Take in what another track of the same rank saw (an unranked file resolved to it)."""
+        if other.last_progress is not None and other.last_step is not None:
+            last = self.last_progress
+            if last is None or progress_order(other.last_step, other.last_progress) > progress_order(
+                self.last_step or 0, last
+            ):
+                self.last_step, self.last_step_ts = other.last_step, other.last_step_ts
+                self.last_progress = other.last_progress
+        if other.data_times is not None:
+            if self.data_times is None:
+                self.data_times = StepSamples()
+            for step, values in other.data_times.by_step.items():
+                for v in values:
+                    self.data_times.add(step, v)
+
+
+# The keys the engine's state and every analysis use.
+AggKey = tuple[str, int | None, str]  # (node, rank, rule)
+TrackKey = tuple[str, int | None]  # (node, rank)
+Aggregates = dict[AggKey, Aggregate]
+Tracks = dict[TrackKey, RankTrack]
+# A node's local time -> the reference clock's (None stays None), from the clock estimates.
+Aligned = Callable[[str, float | None], float | None]

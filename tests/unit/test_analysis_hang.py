@@ -1,0 +1,47 @@
+"""analysis.hang: the rank whose progress stopped first."""
+
+from __future__ import annotations
+
+from denpex_agent.rules import RuleSet
+from denpexd.analysis.hang import HANG_RULE, hang_suspect
+from denpexd.analysis.tracks import Aggregate, Aggregates, NodeProgress, RankTrack, Tracks
+from tests.unit.test_engine import T0, ev
+
+
+def _tracks(unit_rules: RuleSet, last_steps: dict[int, int]) -> Tracks:
+    tracks: Tracks = {}
+    for rank, last in last_steps.items():
+        t = tracks[("a", rank)] = RankTrack("a", rank, NodeProgress())
+        for s in range(1, last + 1):
+            e = ev("a", rank, T0 + s, None, unit_rules, step=s)
+            t.add(s, e.ts, e)
+    return tracks
+
+
+def _same(node: str, ts: float | None) -> float | None:
+    return ts
+
+
+def _timeouts(unit_rules: RuleSet, ranks: list[int], **fields: int) -> Aggregates:
+    evs = [ev("a", r, T0 + 50, "gloo-closed", unit_rules, **fields) for r in ranks]
+    return {(e.node, e.rank, "gloo-closed"): Aggregate(e) for e in evs}
+
+
+def test_the_silent_rank_that_stopped_first_is_the_suspect(unit_rules: RuleSet) -> None:
+    tracks = _tracks(unit_rules, {0: 10, 1: 7, 2: 10, 3: 4})
+    suspects, tied = hang_suspect(_timeouts(unit_rules, [0, 2, 3]), tracks, _same)
+    assert tied == 1 and [(c.rank, c.rule, c.kind) for c in suspects] == [(1, HANG_RULE, "hang")]
+    assert suspects[0].event is tracks[("a", 1)].last_progress and suspects[0].aligned == T0 + 7
+
+
+def test_a_rank_named_as_the_culprit_comes_before_a_silent_one(unit_rules: RuleSet) -> None:
+    tracks = _tracks(unit_rules, {0: 10, 1: 7, 2: 10})  # rank 1 is silent; rank 2 times out too
+    suspects, _ = hang_suspect(_timeouts(unit_rules, [0, 2], culprit_rank=2), tracks, _same)
+    assert [c.rank for c in suspects] == [2]
+
+
+def test_ranks_stopped_at_the_same_step_are_tied(unit_rules: RuleSet) -> None:
+    tracks = _tracks(unit_rules, {r: 5 for r in range(100)})
+    suspects, tied = hang_suspect({}, tracks, _same)
+    assert tied == 100 and len(suspects) == 64 and [c.rank for c in suspects[:3]] == [0, 1, 2]
+    assert hang_suspect({}, {}, _same) == ([], 0)

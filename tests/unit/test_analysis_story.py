@@ -1,0 +1,80 @@
+"""analysis.story: the candidates, their order and their confidence."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from denpex_agent.events import Event
+from denpex_agent.rules import RuleSet
+from denpexd.analysis.story import KILLED_RULE, Candidate, candidates, rank_candidates
+from denpexd.analysis.tracks import Aggregate, Aggregates
+from denpexd.clock import ClockEstimate
+from tests.unit.test_engine import T0, ev
+
+
+def _aggs(*events: Event) -> Aggregates:
+    return {(e.node, e.rank, e.rule or ""): Aggregate(e, last_ts=e.ts) for e in events}
+
+
+def _same(node: str, ts: float | None) -> float | None:
+    return ts
+
+
+def _pool(aggs: Aggregates, lookback_s: float = 300.0) -> list[Candidate]:
+    failing = [a for a in aggs.values() if a.first.severity == "error"]
+    start = min((a.first.ts for a in failing if a.first.ts is not None), default=None)
+    return candidates(aggs, {}, failing, start, _same, lookback_s=lookback_s, nodes=["a", "b"])
+
+
+def _clock(node: str, uncertainty_s: float) -> ClockEstimate:
+    return ClockEstimate(offset_s=0.0, uncertainty_s=uncertainty_s, method="progress", samples=10)
+
+
+def test_causes_and_symptoms_of_the_failures_story_are_the_candidates(unit_rules: RuleSet) -> None:
+    aggs = _aggs(
+        ev("a", 0, T0 + 1, "grad-norm-nonfinite", unit_rules),  # a symptom of another story
+        ev("a", 1, T0 + 2, "cuda-oom", unit_rules),
+        ev("b", 2, T0 + 3, "gloo-closed", unit_rules),  # collateral
+    )
+    assert [(c.rank, c.rule, c.kind) for c in _pool(aggs)] == [(1, "cuda-oom", "event")]
+
+
+def test_warnings_long_before_the_failure_are_not_candidates(unit_rules: RuleSet) -> None:
+    for warned, kept in ((T0 - 200, [0, 1]), (T0 - 400, [1])):
+        aggs = _aggs(
+            ev("a", 0, warned, "grad-norm-nonfinite", unit_rules), ev("b", 1, T0, "loss-nan", unit_rules)
+        )
+        assert [c.rank for c in _pool(aggs)] == kept
+    alone = _aggs(ev("a", 0, T0, "grad-norm-nonfinite", unit_rules))
+    assert candidates(alone, {}, [], None, _same, lookback_s=300.0, nodes=["a"]) == []  # nothing failed
+
+
+def test_a_worker_killed_by_sigkill_is_the_candidate_when_nothing_names_a_cause(unit_rules: RuleSet) -> None:
+    report = ev("a", None, T0, "elastic-child-failed", unit_rules, culprit_rank=5, signal=9)
+    pool = _pool(_aggs(report, ev("b", 1, T0, "gloo-closed", unit_rules)))
+    assert [(c.node, c.rank, c.rule, c.kind) for c in pool] == [("a", 5, KILLED_RULE, "killed")]
+
+
+def test_the_earliest_rank_leads_and_confidence_follows_the_clock_uncertainty(unit_rules: RuleSet) -> None:
+    pool = _pool(
+        _aggs(ev("a", 0, T0 + 1.0, "cuda-oom", unit_rules), ev("b", 1, T0 + 1.01, "cuda-oom", unit_rules))
+    )
+    sure = rank_candidates(pool, {"a": _clock("a", 0.0001), "b": _clock("b", 0.0001)})
+    unsure = rank_candidates(pool, {"a": _clock("a", 5.0), "b": _clock("b", 5.0)})
+    assert [c.rank for c, _ in sure] == [0, 1] and sure[0][1] > 0.99
+    assert 0.5 < unsure[0][1] < 0.51
+    assert abs(sum(conf for _, conf in unsure) - 1.0) < 1e-9
+
+
+def test_one_candidate_per_rank_and_a_named_rank_before_an_unknown_one(unit_rules: RuleSet) -> None:
+    early, late = ev("a", 0, T0 + 1, "cuda-oom", unit_rules), ev("a", 0, T0 + 2, "killed-line", unit_rules)
+    unknown = dataclasses.replace(ev("a", None, T0 + 1, "cuda-oom", unit_rules), id="z")
+    pool = _pool(_aggs(late, early, unknown))
+    ranked = rank_candidates(pool, {})
+    assert [(c.rank, c.rule) for c, _ in ranked] == [(0, "cuda-oom"), (None, "cuda-oom")]
+
+
+def test_tied_hang_suspects_share_the_confidence() -> None:
+    pool = [Candidate("a", r, "hang", "hang", T0, T0, None, "hang") for r in range(3)]
+    ranked = rank_candidates(pool, {}, tied=10)
+    assert [conf for _, conf in ranked] == [0.1, 0.1, 0.1]
