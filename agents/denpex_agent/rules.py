@@ -21,6 +21,7 @@ A rule file (``rules/<category>.toml``) looks like::
     ]
     counterexamples = ["Connection closed by peer: retrying (1/3)"]
     # scope = "job"                     # optional: the message is about the job's set-up
+    # fallback = true                   # optional: a vocabulary, not a signature (see LEVEL_MARKER)
     #                                     (two ranks on one GPU), so no rank is its initiator
 
 An example is a line the rule must match, as a string or a table ``{ text, fields, source }``:

@@ -29,7 +29,7 @@ from denpexd.analysis.evidence import candidate_dict, evidence, rank_table, root
 from denpexd.analysis.fingerprints import LOSS_SCALE_DROPS_DEGRADED, nan_fingerprint, scale_drops
 from denpexd.analysis.hang import HANG_RULE, hang_suspect
 from denpexd.analysis.scope import job_wide
-from denpexd.analysis.story import KILLED_RULE, MAX_CANDIDATES_SHOWN, candidates, rank_candidates
+from denpexd.analysis.story import KILLED_RULE, MAX_CANDIDATES_SHOWN, candidates, rank_candidates, witnesses
 from denpexd.analysis.stragglers import STRAGGLER_RULE, stragglers
 from denpexd.analysis.tracks import Aggregate, NodeProgress, RankTrack, event_order
 from denpexd.clock import ClockEstimate, align
@@ -228,7 +228,9 @@ class Engine:
         tied = 0
         if failing and not pool:
             pool, tied = hang_suspect(aggs, tracks, aligned)
-        ranked = rank_candidates(pool, clocks, tied)
+        if failing and not pool:
+            pool = witnesses(failing, tracks, aligned, nodes)
+        ranked = rank_candidates(pool, clocks, tied, weak=lambda rid: _is_fallback(rules, rid))
         initiator = ranked[0] if ranked else None
         erring = {(node, rank) for (node, rank, _), a in aggs.items() if rank is not None and sev(a) >= ERROR}
         # the failure every rank shares, when no single rank broke first
@@ -239,6 +241,12 @@ class Engine:
         drops = sum(a.count for a in drops_of)
         cause = shared or (initiator[0] if initiator else None)
         explained = root_cause(rules, cause.rule, cause.category) if cause else None
+        # failed, and no rank stands out (every rank only waited, alike): the failure's story,
+        # from its earliest error, belongs to the job
+        alike = cause is None and bool(failing)
+        if alike:
+            first_error = min(failing, key=lambda a: _error_order(a, aligned)).first
+            explained = root_cause(rules, first_error.rule or "", first_error.category or "")
         if failing:
             verdict = "failed"
         elif slow or drops >= LOSS_SCALE_DROPS_DEGRADED:
@@ -261,7 +269,7 @@ class Engine:
             "job": self.job,
             "verdict": verdict,
             "initiator": candidate_dict(shown) if shown else None,
-            "scope": "job" if shared is not None else "rank",
+            "scope": "job" if shared is not None or alike else "rank",
             "root_cause": explained,
             "candidates": [candidate_dict(c) for c in ranked[:MAX_CANDIDATES_SHOWN]],
             "collateral": rows,
@@ -284,6 +292,16 @@ class Engine:
                 "events_of_ranks_not_followed": self.tracks_dropped,
             }
         return out
+
+
+def _error_order(a: Aggregate, aligned: Callable[[str, float | None], float | None]) -> tuple[Any, ...]:
+    at = aligned(a.first.node, a.first.ts)
+    return (at is None, at if at is not None else 0.0, event_order(a.first))
+
+
+def _is_fallback(rules: RuleSet, rule_id: str) -> bool:
+    rule = rules.get(rule_id)
+    return rule is not None and rule.fallback
 
 
 def _kept(ev: Event) -> Event:

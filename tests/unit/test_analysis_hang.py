@@ -42,6 +42,23 @@ def test_a_rank_named_as_the_culprit_comes_before_a_silent_one(unit_rules: RuleS
 
 def test_ranks_stopped_at_the_same_step_are_tied(unit_rules: RuleSet) -> None:
     tracks = _tracks(unit_rules, {r: 5 for r in range(100)})
+    tracks.update(_tracks(unit_rules, {100: 6}))  # one rank got a step further than the rest
     suspects, tied = hang_suspect({}, tracks, _same)
     assert tied == 100 and len(suspects) == 64 and [c.rank for c in suspects[:3]] == [0, 1, 2]
     assert hang_suspect({}, {}, _same) == ([], 0)
+
+
+def test_ranks_that_only_wait_alike_give_no_suspect(unit_rules: RuleSet) -> None:
+    # every rank at the same step and every rank reporting the timeout: nothing points at one
+    tracks = _tracks(unit_rules, {r: 5 for r in range(8)})
+    assert hang_suspect(_timeouts(unit_rules, list(range(8))), tracks, _same) == ([], 0)
+    # one rank's timeout and nothing else (the only rank whose log was kept)
+    assert hang_suspect(_timeouts(unit_rules, [3]), _tracks(unit_rules, {3: 5}), _same) == ([], 0)
+    # all silent, all at the same step
+    assert hang_suspect({}, tracks, _same) == ([], 0)
+
+
+def test_the_rank_absent_from_the_timeouts_is_the_suspect(unit_rules: RuleSet) -> None:
+    tracks = _tracks(unit_rules, {r: 5 for r in range(4)})  # same last step everywhere
+    suspects, tied = hang_suspect(_timeouts(unit_rules, [1, 2, 3]), tracks, _same)
+    assert tied == 1 and [c.rank for c in suspects] == [0]

@@ -6,7 +6,15 @@ import dataclasses
 
 from denpex_agent.events import Event
 from denpex_agent.rules import RuleSet
-from denpexd.analysis.story import KILLED_RULE, Candidate, candidates, rank_candidates
+from denpexd.analysis.story import (
+    KILLED_RULE,
+    WEAK_CONFIDENCE,
+    WITNESS_RULE,
+    Candidate,
+    candidates,
+    rank_candidates,
+    witnesses,
+)
 from denpexd.analysis.tracks import Aggregate, Aggregates
 from denpexd.clock import ClockEstimate
 from tests.unit.test_engine import T0, ev
@@ -78,3 +86,24 @@ def test_tied_hang_suspects_share_the_confidence() -> None:
     pool = [Candidate("a", r, "hang", "hang", T0, T0, None, "hang") for r in range(3)]
     ranked = rank_candidates(pool, {}, tied=10)
     assert [conf for _, conf in ranked] == [0.1, 0.1, 0.1]
+
+
+def test_the_launcher_is_the_witness_only_of_a_workers_exit(unit_rules: RuleSet) -> None:
+    summary = ev("a", None, T0 + 5, "elastic-child-failed", unit_rules, culprit_rank=6, exitcode=1)
+    barrier = ev("b", 0, T0 + 4, "gloo-closed", unit_rules, culprit_rank=3)  # names a rank, no exit
+    failing = list(_aggs(summary, barrier).values())
+    got = witnesses(failing, {}, _same, ["a", "b"])
+    assert [(c.node, c.rank, c.rule, c.kind, c.category) for c in got] == [
+        ("a", 6, WITNESS_RULE, "witness", "user-code-exception")
+    ]
+    assert witnesses(list(_aggs(barrier).values()), {}, _same, ["b"]) == []
+
+
+def test_a_rank_named_by_a_vocabulary_fallback_alone_is_trusted_less(unit_rules: RuleSet) -> None:
+    first = Candidate("a", 2, "vocab-x", "numerical-instability", T0, T0, None, "event")
+    late = Candidate("a", 0, "loss-nan", "numerical-instability", T0 + 5, T0 + 5, None, "event")
+    clocks = {"a": _clock("a", 0.001)}
+    sure = rank_candidates([first, late], clocks)
+    weak = rank_candidates([first, late], clocks, weak=lambda rid: rid.startswith("vocab-"))
+    assert sure[0][0].rank == weak[0][0].rank == 2
+    assert sure[0][1] > 0.99 and weak[0][1] == WEAK_CONFIDENCE

@@ -4,7 +4,9 @@ rank whose progress stopped first.
 Ranks are ordered by: most often named as the culprit by hang or communication reports
 (``culprit_rank``), then silent before those that logged anything, then the lowest last step,
 then the earliest time of that step on the reference clock, then rank and node. Every rank that
-ties with the first on the first three is a suspect, and they share the confidence.
+ties with the first on the first three is a suspect, and they share the confidence. A suspect
+needs evidence: named as the culprit, silent while others report the hang, or stopped at an
+earlier step than another rank; when every rank only waits alike, there is none.
 """
 
 from __future__ import annotations
@@ -39,6 +41,14 @@ def hang_suspect(aggs: Aggregates, tracks: Tracks, aligned: Aligned) -> tuple[li
 
     keyed = sorted((key(t), i) for i, t in enumerate(ranks))
     best = keyed[0][0][:3]
+    hinted, silent, step = best
+    evidence = (
+        hinted < 0  # named as the culprit
+        or (silent == 0 and len(loud) > 0)  # quiet while others report the hang
+        or any(k[2] > step for k, _ in keyed)  # its progress stopped at an earlier step
+    )
+    if not evidence:
+        return [], 0  # every rank only waits, alike: no suspect (a guess is not an answer)
     tied = [ranks[i] for k, i in keyed if k[:3] == best]
     return [
         Candidate(

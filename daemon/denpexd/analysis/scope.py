@@ -2,7 +2,8 @@
 
 Two ways: an event about the job's set-up (a rule with ``scope = "job"``) among the first
 rank's events of that moment, or the first event's rule logged by (nearly) every rank that
-logged an error, so close together that the clocks cannot order them. The diagnosis then says
+logged an error, so close together that the clocks cannot order them, and the first of them not
+apart from the others (as a rank whose warning a collective then spread to every rank is). The diagnosis then says
 ``"scope": "job"``, names no initiator, and does not count that rule as collateral.
 """
 
@@ -17,6 +18,9 @@ from denpexd.clock import ClockEstimate
 # this many seconds, whichever is larger) of the first, or without times to tell them apart.
 JOB_SCOPE_SHARE = 0.8
 JOB_SCOPE_WINDOW_S = 1.0
+# ... unless the first of three or more stands apart: ahead of the second by more than the clocks
+# can blur (and this many seconds) and by more than the rest are apart from each other.
+LEAD_MIN_S = 0.01
 
 
 def job_wide(
@@ -52,8 +56,15 @@ def job_wide(
     if len(times) < len(same):
         return None  # some have times, some not: the timed ones are not known to be together
     nodes = {c.node for c in same}
-    window = max(
-        JOB_SCOPE_WINDOW_S,
-        2 * max((clocks[n].uncertainty_s for n in nodes if n in clocks), default=0.0),
-    )
-    return first if max(times) - min(times) <= window else None
+    uncertainty = max((clocks[n].uncertainty_s for n in nodes if n in clocks), default=0.0)
+    window = max(JOB_SCOPE_WINDOW_S, 2 * uncertainty)
+    if max(times) - min(times) > window:
+        return None
+    if len(times) >= 3:
+        # the first rank stands apart from the rest (it said it before the others, which then
+        # said it together, as a collective spreads a value): that rank, not the job
+        t = sorted(times)
+        lead, rest = t[1] - t[0], t[-1] - t[1]
+        if lead > max(2 * uncertainty, LEAD_MIN_S) and lead > rest:
+            return None
+    return first

@@ -9,14 +9,17 @@ The rule of choice:
    (`ranks.global_rank`).
 2. Without any, torchrun's report of a worker killed by SIGKILL names that worker (`killed`).
 3. Without any and with something failed, the engine asks `hang.hang_suspect` for the rank
-   whose progress stopped first (`hang`).
-4. Each rank is represented by its earliest candidate, and ranks are ordered by
+   whose progress stopped first (`hang`), when there is evidence for one.
+4. Without a suspect, the launcher is the witness (`witnesses`): the worker its report of an
+   exit names (`witness`).
+5. Each rank is represented by its earliest candidate, and ranks are ordered by
    `candidate_order`: aligned time (unknown last), a named rank before an unknown one, then rank,
    node and the event's own order. The first is the initiator.
-5. Confidence: each rank weighs exp(-Δt / σ), Δt its lag behind the first and σ the two nodes'
+6. Confidence: each rank weighs exp(-Δt / σ), Δt its lag behind the first and σ the two nodes'
    combined clock uncertainty (1 ms on the same node, at least 1 ms); a rank without a time
    weighs 0 (all alike when the first has none either); the weights are normalised to sum to 1.
-   Hang suspects share it equally among all those tied.
+   Hang suspects share it equally among all those tied. A first candidate whose rule is a
+   vocabulary fallback is trusted at most WEAK_CONFIDENCE.
 
 `scope.job_wide` then decides whether the failure belongs to the job rather than to that rank.
 """
@@ -24,6 +27,7 @@ The rule of choice:
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from denpex_agent.events import Event
@@ -32,7 +36,11 @@ from denpexd.analysis.tracks import Aggregate, Aggregates, Aligned, TrackKey, Tr
 from denpexd.clock import ClockEstimate
 
 KILLED_RULE = "torchrun-worker-sigkill"
+WITNESS_RULE = "launcher-worker-failed-first"
 MAX_CANDIDATES_SHOWN = 64  # candidates listed in a diagnosis (best first)
+# The most a rank named by a vocabulary fallback alone (a WARN line in the training code's own
+# words that no signature knows) is trusted, however far ahead of the others it is.
+WEAK_CONFIDENCE = 0.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,7 +52,7 @@ class Candidate:
     ts: float | None
     aligned: float | None
     event: Event | None
-    kind: str  # event | hang | killed
+    kind: str  # event | hang | killed | witness
 
 
 def candidate_order(c: Candidate) -> tuple[bool, float, bool, int, str, tuple[bool, float, str, int, str]]:
@@ -103,8 +111,33 @@ def candidates(
     return pool
 
 
+def witnesses(
+    failing: list[Aggregate], tracks: Tracks, aligned: Aligned, nodes: list[str]
+) -> list[Candidate]:
+    """Step 4: nothing else points at a rank, and a launcher's report of a worker's exit (an exit
+    code, with the worker's rank or local rank) is all there is: the worker it names first."""
+    pool: list[Candidate] = []
+    for a in failing:
+        ev = a.first
+        f = ev.fields
+        if not isinstance(f.get("exitcode"), int):
+            continue
+        rank = f.get("culprit_rank")
+        if not isinstance(rank, int) and isinstance(f.get("local_rank"), int):
+            rank = global_rank(ev.node, f["local_rank"], tracks, nodes)
+        if isinstance(rank, int):
+            at = aligned(ev.node, ev.ts)
+            pool.append(
+                Candidate(ev.node, rank, WITNESS_RULE, "user-code-exception", ev.ts, at, ev, "witness")
+            )
+    return pool
+
+
 def rank_candidates(
-    pool: list[Candidate], clocks: dict[str, ClockEstimate], tied: int = 0
+    pool: list[Candidate],
+    clocks: dict[str, ClockEstimate],
+    tied: int = 0,
+    weak: Callable[[str], bool] | None = None,
 ) -> list[tuple[Candidate, float]]:
     """Steps 4 and 5 above: the earliest candidate per rank, best first (highest confidence, then
     earliest), each with a confidence; the confidences sum to 1. ``tied``: how many hang
@@ -136,4 +169,7 @@ def rank_candidates(
         sigma = 0.001 if c.node == first.node else max(math.hypot(u0, u1), 0.001)
         weights.append(math.exp(-(c.aligned - first.aligned) / sigma))
     total = sum(weights) or 1.0
-    return [(c, w / total) for c, w in zip(ordered, weights, strict=True)]
+    out = [(c, w / total) for c, w in zip(ordered, weights, strict=True)]
+    if weak is not None and weak(first.rule) and out[0][1] > WEAK_CONFIDENCE:
+        out[0] = (first, WEAK_CONFIDENCE)  # the training code's own words, not a signature
+    return out
