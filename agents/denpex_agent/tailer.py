@@ -40,6 +40,9 @@ log = logging.getLogger(__name__)
 HEAD_BYTES = 256
 DRAIN_GRACE_S = 2.0
 FOLD_IDLE_S = 0.3  # a traceback whose exception line was read is complete after this much quiet
+# An unfinished line (or open record) begun this recently counts as unread in `behind`: the rest
+# of it is on its way. Older ones (a progress bar redrawn with \r, a writer that stalled) do not.
+HELD_FRESH_S = 1.0
 FOLD_TIMEOUT_S = 5.0  # any open record (and an unfinished last line) is complete after this much
 
 
@@ -69,6 +72,7 @@ class Followed:
     head: bytes | None = None  # the first bytes (up to HEAD_BYTES) as read; None until checked
     flushed: int = 0  # 0: nothing closed since the last growth, 1: closed when idle, 2: forced
     lag: int = 0  # bytes written but not read, as of the last look
+    held_since: float | None = None  # when the scanner began holding an unfinished line/record
 
 
 @dataclass(slots=True)
@@ -115,6 +119,7 @@ class Tailer:
         self.files: list[Followed] = []
         self.scanning: str | None = None  # the file poll() is reading now (for slow-scan reports)
         self.stats = TailStats()
+        self._now = 0.0  # the clock at the latest poll
         self._warned: set[tuple[str, str]] = set()
 
     # -- warnings -------------------------------------------------------------------------------
@@ -286,7 +291,7 @@ class Tailer:
         events: list[Event] = []
         marks: list[Mark] = []
         more = False
-        now = self.clock()
+        now = self._now = self.clock()
         for f in list(self.files):
             self.scanning = f.path
             f.scanner.matcher = self.matcher  # a reload swaps the matcher between polls
@@ -324,6 +329,10 @@ class Tailer:
                     events.extend(f.scanner.due_progress())
                     if f.scanner.pending:
                         self._close_records(f, now - f.last_growth, events, marks)
+                if not f.scanner.pending:
+                    f.held_since = None
+                elif f.held_since is None:
+                    f.held_since = now
             except OSError as exc:
                 self._warn(f.path, "read-failed", f"read failed ({exc.strerror}); file closed")
                 self._close(f, events, marks)
@@ -395,9 +404,15 @@ class Tailer:
 
     @property
     def behind(self) -> int:
-        """Bytes written to the followed files and not read yet, as of each file's last look
-        (no system call: the reader's own view, to tell the daemon it is catching up)."""
-        return sum(f.lag for f in self.files)
+        """Bytes written to the followed files and not read into events yet, as of each file's
+        last look (no system call: the reader's own view, to tell the daemon it is catching up):
+        the unread bytes, and an unfinished line or record begun less than HELD_FRESH_S ago (its
+        end is on its way, and it may be an event older than what the daemon has)."""
+        fresh = self._now - HELD_FRESH_S
+        return sum(
+            f.lag + (f.scanner.pending if f.held_since is not None and f.held_since > fresh else 0)
+            for f in self.files
+        )
 
     @staticmethod
     def file_lag(f: Followed) -> int:

@@ -18,6 +18,7 @@ kept apart with their file and local rank and given a rank at each diagnosis (`a
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -222,15 +223,16 @@ class Engine:
             (t for a in failing if (t := aligned(a.first.node, a.first.ts)) is not None), default=None
         )
 
+        weak = functools.partial(_is_fallback, rules)
         pool = candidates(
-            aggs, tracks, failing, failure_start, aligned, lookback_s=self.lookback_s, nodes=nodes
+            aggs, tracks, failing, failure_start, aligned, lookback_s=self.lookback_s, nodes=nodes, weak=weak
         )
         tied = 0
         if failing and not pool:
             pool, tied = hang_suspect(aggs, tracks, aligned)
         if failing and not pool:
             pool = witnesses(failing, tracks, aligned, nodes)
-        ranked = rank_candidates(pool, clocks, tied, weak=lambda rid: _is_fallback(rules, rid))
+        ranked = rank_candidates(pool, clocks, tied, weak=weak)
         initiator = ranked[0] if ranked else None
         erring = {(node, rank) for (node, rank, _), a in aggs.items() if rank is not None and sev(a) >= ERROR}
         # the failure every rank shares, when no single rank broke first

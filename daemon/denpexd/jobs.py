@@ -310,9 +310,15 @@ class JobTable:
             # No single rank so far: a weaker answer than a rank, which an earlier warning still
             # on its way (any agent's) would replace; it is held for the catch-up bound.
             ini = doc["candidates"][0]
-        if state is None or not ini:
+        if state is None:
             return 0.0
         now = self._mono()
+        if not ini:
+            if doc.get("scope") == "job" and doc.get("verdict") == "failed":
+                # failed, and no rank stands out yet (ranks only wait alike): the rank that broke
+                # may be on an agent still to be heard from; held for the catch-up bound
+                return max(0.0, failing_since + self.cfg.alert_catchup_hold_s - now)
+            return 0.0
         # an inferred initiator (a hang, a killed worker) has no event of its own: the evidence
         # that made the job look failed is what other agents may still contradict
         arrived = state.arrivals.get((ini["node"], ini["rank"], ini["rule"]), failing_since)

@@ -205,27 +205,7 @@ def test_live_diagnosis_equals_postmortem(run: Run, job: str, variant: str, brok
     assert r.diffs == [], r.line()
 
 
-# Known gap, open: when the initiator's early warning is a line the split variant cut in two,
-# the agent holds half a line while another node's errors arrive complete, and the alert gate
-# does not yet count a held half line as evidence still on its way, so the first alert may name a
-# collateral rank (the final alert and the live diagnosis are right). Not counted as passing.
-EARLY_ALERT_GAP = [
-    pytest.param(
-        job,
-        variant,
-        broker,
-        id=f"{job}-{variant}-{broker}",
-        marks=pytest.mark.xfail(reason="alert gate: a half-read warning line is not awaited", strict=False),
-    )
-    if job.startswith("norm_overflow") and variant == "split"
-    else pytest.param(job, variant, broker, id=f"{job}-{variant}-{broker}")
-    for job in corpus_jobs()
-    for variant in VARIANTS
-    for broker in BROKERS
-]
-
-
-@pytest.mark.parametrize(PARAMS, EARLY_ALERT_GAP)
+@pytest.mark.parametrize(PARAMS, CASES)
 def test_first_alert_names_the_initiator(run: Run, job: str, variant: str, broker: str) -> None:
     r = _result(run, job, variant, broker)
     assert r.error is None, r.line()

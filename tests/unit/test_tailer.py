@@ -172,3 +172,31 @@ def test_a_traceback_split_across_reads_is_one_event_and_a_dead_writer_s_record_
     now[0] += 1.5
     (dead,) = _matches(t.poll(1 << 20)[0])  # the writer died after the header: taken as it is
     assert dead.line_no == 7 and dead.text == "Traceback (most recent call last):"
+
+
+def test_a_line_begun_a_moment_ago_counts_as_unread(tmp_path: Path, tailers: list[Tailer]) -> None:
+    """Half of a line read (its writer paused mid-line) is still on its way: the agent says it is
+    behind, so the daemon's alert waits for it; a line held for longer (a progress bar redrawn
+    with carriage returns, a stalled writer) no longer counts."""
+    path, t = _one_file(tmp_path, tailers, _lines("old", 3))
+    now = [1000.0]
+    t.clock = lambda: now[0]
+    t.poll(1 << 20)
+    assert t.behind == 0
+    with path.open("a") as fh:
+        fh.write("2026-11-29 12:00:09,000 WARNING [rank2] layers.0.attn_norm: fp16 var")
+    now[0] += 0.1
+    t.poll(1 << 20)
+    held = t.behind
+    assert held == len("2026-11-29 12:00:09,000 WARNING [rank2] layers.0.attn_norm: fp16 var")
+    now[0] += 0.5
+    t.poll(1 << 20)
+    assert t.behind == held  # still fresh
+    now[0] += 1.0
+    t.poll(1 << 20)
+    assert t.behind == 0  # held too long to count
+    with path.open("a") as fh:
+        fh.write("iance overflowed (inf)\n")
+    now[0] += 0.1
+    events, _, _ = t.poll(1 << 20)
+    assert t.behind == 0 and any(e.rule == "vocab-numerical" for e in _matches(events))

@@ -78,6 +78,7 @@ def candidates(
     *,
     lookback_s: float,
     nodes: list[str],
+    weak: Callable[[str], bool] | None = None,
 ) -> list[Candidate]:
     """Steps 1 and 2 above: every candidate (not yet one per rank), or none when nothing failed.
     ``nodes`` are all the job's nodes (a job of one node takes local ranks as global ranks)."""
@@ -96,6 +97,8 @@ def candidates(
             continue
         if rank is None and isinstance(ev.fields.get("local_rank"), int):
             rank = global_rank(node, ev.fields["local_rank"], tracks, nodes)
+        if rank is None and weak is not None and weak(ev.rule or ""):
+            continue  # a vocabulary line of nobody's rank (a launcher's report of it) names nobody
         pool.append(Candidate(node, rank, ev.rule or "", ev.category or "", ev.ts, at, ev, "event"))
     if not pool:
         # torchrun saw a worker die by SIGKILL and nothing else names a cause: that worker.
