@@ -401,6 +401,7 @@ class LineScanner:
         state = "frames"
         block_end = -1
         blanks = 0
+        frames_end = header.end  # the last frame line read (a traceback cut off before its exception)
         key = stream_key(header.line)
         for _start, end, text in self._lines_from(buf, header.end + 1, cut, key):
             if state == "frames":
@@ -409,6 +410,8 @@ class LineScanner:
                     or text[0] in " \t"
                     or text.startswith("Traceback (most recent call last)")
                 ):
+                    if text.strip() and exc_end < 0:
+                        frames_end = end
                     continue
                 exc_end, exc_text, state = end, text.strip(), "after"
                 continue
@@ -431,7 +434,7 @@ class LineScanner:
                 or (mode == IDLE and state == "after")
                 or (exc_end >= 0 and cut - header.start > MAX_CARRY)
             ):
-                block_end = exc_end if exc_end >= 0 else header.end
+                block_end = exc_end if exc_end >= 0 else frames_end
             elif exc_end >= 0 and self._line_count(buf, header.end, cut) >= MAX_FOLD_LINES:
                 block_end = exc_end
             else:

@@ -224,15 +224,24 @@ class Engine:
         )
 
         weak = functools.partial(_is_fallback, rules)
+        generic = functools.partial(_is_generic, rules)
         pool = candidates(
-            aggs, tracks, failing, failure_start, aligned, lookback_s=self.lookback_s, nodes=nodes, weak=weak
+            aggs,
+            tracks,
+            failing,
+            failure_start,
+            aligned,
+            lookback_s=self.lookback_s,
+            nodes=nodes,
+            weak=weak,
+            generic=generic,
         )
         tied = 0
         if failing and not pool:
             pool, tied = hang_suspect(aggs, tracks, aligned)
         if failing and not pool:
             pool = witnesses(failing, tracks, aligned, nodes)
-        ranked = rank_candidates(pool, clocks, tied, weak=weak)
+        ranked = rank_candidates(pool, clocks, tied, weak=weak, generic=generic)
         initiator = ranked[0] if ranked else None
         erring = {(node, rank) for (node, rank, _), a in aggs.items() if rank is not None and sev(a) >= ERROR}
         # the failure every rank shares, when no single rank broke first
@@ -299,6 +308,12 @@ class Engine:
 def _error_order(a: Aggregate, aligned: Callable[[str, float | None], float | None]) -> tuple[Any, ...]:
     at = aligned(a.first.node, a.first.ts)
     return (at is None, at if at is not None else 0.0, event_order(a.first))
+
+
+def _is_generic(rules: RuleSet, rule_id: str) -> bool:
+    """A traceback whose exception no rule classifies (the traceback rule itself)."""
+    rule = rules.get(rule_id)
+    return rule is not None and rule.fold == "python-traceback"
 
 
 def _is_fallback(rules: RuleSet, rule_id: str) -> bool:

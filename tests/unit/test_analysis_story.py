@@ -107,3 +107,47 @@ def test_a_rank_named_by_a_vocabulary_fallback_alone_is_trusted_less(unit_rules:
     weak = rank_candidates([first, late], clocks, weak=lambda rid: rid.startswith("vocab-"))
     assert sure[0][0].rank == weak[0][0].rank == 2
     assert sure[0][1] > 0.99 and weak[0][1] == WEAK_CONFIDENCE
+
+
+def test_a_ranks_specific_story_beats_its_generic_traceback(unit_rules: RuleSet) -> None:
+    """An exception no rule classifies tells no story: another story's symptom on the rank is a
+    candidate, and represents the rank even when it came after the traceback."""
+    aggs = _aggs(
+        ev("a", 1, T0 + 1, "python-traceback", unit_rules),
+        ev("a", 1, T0 + 2, "grad-norm-nonfinite", unit_rules),  # a symptom (numerical story)
+    )
+    failing = [a for a in aggs.values() if a.first.severity == "error"]
+
+    def generic(rule: str) -> bool:
+        return rule == "python-traceback"
+
+    pool = candidates(aggs, {}, failing, T0 + 1, _same, lookback_s=300.0, nodes=["a"], generic=generic)
+    assert sorted(c.rule for c in pool) == ["grad-norm-nonfinite", "python-traceback"]
+    ranked = rank_candidates(pool, {}, generic=generic)
+    assert [(c.rank, c.rule) for c, _ in ranked] == [(1, "grad-norm-nonfinite")]
+    # without the distinction the traceback's category makes the symptom another story
+    assert [c.rule for c in candidates(aggs, {}, failing, T0 + 1, _same, lookback_s=300.0, nodes=["a"])] == [
+        "python-traceback"
+    ]
+
+
+def test_the_launchers_own_traceback_is_no_candidate(unit_rules: RuleSet) -> None:
+    """torchrun/accelerate raise their own error after the workers failed (through their entry
+    point's frames): that traceback is the launcher's, not a worker's story."""
+    launcher = dataclasses.replace(
+        ev("a", None, T0 + 9, "python-traceback", unit_rules),
+        text='Traceback (most recent call last):\n  File "/opt/conda/bin/accelerate", line 8, in <module>\n'
+        "    sys.exit(main())",
+    )
+    worker = dataclasses.replace(
+        ev("a", 2, T0 + 10, "python-traceback", unit_rules),
+        text='Traceback (most recent call last):\n  File "train.py", line 3, in <module>\nKeyError: 7',
+    )
+    aggs = _aggs(launcher, worker)
+    failing = list(aggs.values())
+
+    def generic(rule: str) -> bool:
+        return rule == "python-traceback"
+
+    pool = candidates(aggs, {}, failing, T0 + 9, _same, lookback_s=300.0, nodes=["a"], generic=generic)
+    assert [(c.rank, c.rule) for c in pool] == [(2, "python-traceback")]

@@ -6,7 +6,8 @@ Ranks are ordered by: most often named as the culprit by hang or communication r
 then the earliest time of that step on the reference clock, then rank and node. Every rank that
 ties with the first on the first three is a suspect, and they share the confidence. A suspect
 needs evidence: named as the culprit, silent while others report the hang, or stopped at an
-earlier step than another rank; when every rank only waits alike, there is none.
+earlier step than another rank. When every rank we know only waits alike, the suspects are the
+ranks never heard from (a gap in the rank numbers below the highest), if few; else there is none.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ def hang_suspect(aggs: Aggregates, tracks: Tracks, aligned: Aligned) -> tuple[li
         or any(k[2] > step for k, _ in keyed)  # its progress stopped at an earlier step
     )
     if not evidence:
-        return [], 0  # every rank only waits, alike: no suspect (a guess is not an answer)
+        return _absent(ranks, loud)  # every rank we know only waits, alike
     tied = [ranks[i] for k, i in keyed if k[:3] == best]
     return [
         Candidate(
@@ -63,3 +64,22 @@ def hang_suspect(aggs: Aggregates, tracks: Tracks, aligned: Aligned) -> tuple[li
         )
         for t in tied[:MAX_CANDIDATES_SHOWN]
     ], len(tied)
+
+
+def _absent(ranks: list[RankTrack], loud: set[tuple[str, int]]) -> tuple[list[Candidate], int]:
+    """Every rank we know waits alike. Ranks are numbered from 0 without gaps, so the numbers
+    missing below the highest one are ranks that were never heard from: absent from the collective
+    the others wait in, they are the suspects, when they are few next to those waiting (at most
+    half as many: a log that shows one waiter of many names nobody). Else no suspect (a guess is
+    not an answer)."""
+    known = {t.rank for t in ranks if t.rank is not None}
+    missing = sorted(set(range(max(known) + 1)) - known) if known else []
+    waiting = len(loud)
+    if not missing or 2 * len(missing) > waiting:
+        return [], 0
+    nodes = {t.node for t in ranks}
+    node = next(iter(nodes)) if len(nodes) == 1 else ""
+    return [
+        Candidate(node, r, HANG_RULE, "hang", None, None, None, "hang")
+        for r in missing[:MAX_CANDIDATES_SHOWN]
+    ], len(missing)

@@ -21,20 +21,33 @@ The rule of choice:
    Hang suspects share it equally among all those tied. A first candidate whose rule is a
    vocabulary fallback is trusted at most WEAK_CONFIDENCE.
 
+A generic traceback (an exception no rule classifies) tells no story: it does not make other
+stories' symptoms "another story" (step 1), and a rank's specific candidate represents the rank
+before its generic one, whichever came first (step 5).
+
 `scope.job_wide` then decides whether the failure belongs to the job rather than to that rank.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from denpex_agent.events import Event
 from denpexd.analysis.ranks import global_rank
 from denpexd.analysis.tracks import Aggregate, Aggregates, Aligned, TrackKey, Tracks, event_order
 from denpexd.clock import ClockEstimate
 
+# A frame of a launcher's own code: a traceback through it is the launcher's (raising its
+# ChildFailedError after the workers failed), not a worker's.
+LAUNCHER_FRAME = re.compile(
+    r'File "[^"]*(?:/bin/(?:torchrun|accelerate|deepspeed)"|torch/distributed/(?:run|launch)\.py"'
+    r'|torch/distributed/launcher/api\.py"|torch/distributed/elastic/agent/|deepspeed/launcher/'
+    r"|accelerate/commands/)"
+)
 KILLED_RULE = "torchrun-worker-sigkill"
 WITNESS_RULE = "launcher-worker-failed-first"
 MAX_CANDIDATES_SHOWN = 64  # candidates listed in a diagnosis (best first)
@@ -79,12 +92,16 @@ def candidates(
     lookback_s: float,
     nodes: list[str],
     weak: Callable[[str], bool] | None = None,
+    generic: Callable[[str], bool] | None = None,
 ) -> list[Candidate]:
     """Steps 1 and 2 above: every candidate (not yet one per rank), or none when nothing failed.
     ``nodes`` are all the job's nodes (a job of one node takes local ranks as global ranks)."""
     if not failing:
         return []
-    root_categories = {a.first.category for a in aggs.values() if a.first.role == "root-cause"}
+    # the failure's stories: the categories of its root causes; a generic traceback (an exception
+    # no rule knows) tells no story of its own, so with only those any story's symptom may count
+    roots = [a.first for a in aggs.values() if a.first.role == "root-cause"]
+    root_categories = {e.category for e in roots if generic is None or not generic(e.rule or "")}
     pool: list[Candidate] = []
     for (node, rank, _rule), a in aggs.items():
         ev = a.first
@@ -99,6 +116,8 @@ def candidates(
             rank = global_rank(node, ev.fields["local_rank"], tracks, nodes)
         if rank is None and weak is not None and weak(ev.rule or ""):
             continue  # a vocabulary line of nobody's rank (a launcher's report of it) names nobody
+        if generic is not None and generic(ev.rule or "") and LAUNCHER_FRAME.search(ev.text):
+            continue  # the launcher's own traceback after its workers failed: collateral
         pool.append(Candidate(node, rank, ev.rule or "", ev.category or "", ev.ts, at, ev, "event"))
     if not pool:
         # torchrun saw a worker die by SIGKILL and nothing else names a cause: that worker.
@@ -141,15 +160,21 @@ def rank_candidates(
     clocks: dict[str, ClockEstimate],
     tied: int = 0,
     weak: Callable[[str], bool] | None = None,
+    generic: Callable[[str], bool] | None = None,
 ) -> list[tuple[Candidate, float]]:
     """Steps 4 and 5 above: the earliest candidate per rank, best first (highest confidence, then
     earliest), each with a confidence; the confidences sum to 1. ``tied``: how many hang
     suspects are tied when only the first of them are in ``pool``."""
+
+    def rank_key(c: Candidate) -> tuple[bool, tuple[Any, ...]]:
+        # a rank's specific story beats its generic traceback, whatever their order
+        return (generic is not None and generic(c.rule), candidate_order(c))
+
     best: dict[TrackKey, Candidate] = {}
     for c in pool:
         k = (c.node, c.rank)
         cur = best.get(k)
-        if cur is None or candidate_order(c) < candidate_order(cur):
+        if cur is None or rank_key(c) < rank_key(cur):
             best[k] = c
     ordered = sorted(best.values(), key=candidate_order)
     if not ordered:
