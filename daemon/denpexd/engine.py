@@ -25,6 +25,7 @@ from typing import Any
 from denpex_agent.events import Event
 from denpex_agent.rules import SEVERITIES, RuleSet
 from denpexd.analysis import ranks
+from denpexd.analysis.chain import chain
 from denpexd.analysis.collateral import collateral
 from denpexd.analysis.evidence import candidate_dict, evidence, rank_table, root_cause
 from denpexd.analysis.fingerprints import LOSS_SCALE_DROPS_DEGRADED, nan_fingerprint, scale_drops
@@ -289,6 +290,7 @@ class Engine:
             "clock": {n: c.to_dict() for n, c in sorted(clocks.items())},
             "fingerprints": {"nan": nan_fingerprint(aggs, tracks, aligned, rules)},
             "evidence": evidence(initiator[0]) if initiator else None,
+            "chain": chain(shown[0], aggs, aligned, self.progress) if shown else None,
             "stragglers": slow,
             "loss_scale_drops": drops,
             "ranks": rank_table(tracks, aligned, self.rank_events),

@@ -25,6 +25,36 @@ def _ranks(ranks: list[int], shown: int = 12) -> str:
     return text + (f" and {len(ranks) - shown} more" if len(ranks) > shown else "")
 
 
+def _chain(chain: dict[str, Any] | None) -> list[str]:
+    """The failure's chain: the first related warning, the rank's first error, the others."""
+    if not chain:
+        return []
+    out = ["", "CHAIN"]
+
+    def at(step: dict[str, Any]) -> str:
+        where = step.get("time") or "unknown time"
+        return where + (f" (step {step['step']})" if "step" in step else "")
+
+    fw = chain["first_warning"]
+    out.append(f"  first      {at(fw)}  {fw['rule']}")
+    err = chain.get("first_error")
+    if err:
+        out.append(f"  its error  {at(err)}  {err['rule']}")
+    then = chain.get("then")
+    if then:
+        lag = []
+        if then.get("lag_steps"):
+            lag.append(f"{then['lag_steps']} step(s)")
+        if "lag_s" in then:
+            lag.append(f"{then['lag_s']:.3f} s")
+        out.append(
+            f"  then       {at(then['first'])}  {then['ranks']} other rank(s) failed"
+            + (f", {' / '.join(lag)} later" if lag else "")
+            + f": {', '.join(then['rules'][:4])}"
+        )
+    return out
+
+
 def render_text(d: dict[str, Any]) -> str:
     out: list[str] = []
     verdict = d["verdict"].upper()
@@ -43,15 +73,22 @@ def render_text(d: dict[str, Any]) -> str:
         first_text = (ini.get("text") or "").strip().splitlines()
         if first_text:
             out.append(f"  line       {first_text[-1][:200]}")
+        out.extend(_chain(d.get("chain")))
     elif d["verdict"] == "failed" and d.get("scope") == "job":
         shared = [c for c in d.get("candidates", []) if c.get("rule") == rc.get("rule")]
         ranks = sorted({c["rank"] for c in shared if c.get("rank") is not None})
         out.append("")
-        out.append(
-            f"NO SINGLE RANK  every rank failed the same way ({rc.get('rule')}"
-            + (f", ranks {_ranks(ranks)}" if ranks else "")
-            + "): the job's set-up, not one rank, is the cause"
-        )
+        if shared:
+            out.append(
+                f"NO SINGLE RANK  every rank failed the same way ({rc.get('rule')}"
+                + (f", ranks {_ranks(ranks)}" if ranks else "")
+                + "): the job's set-up, not one rank, is the cause"
+            )
+        else:
+            out.append(
+                f"NO SINGLE RANK  every rank only waited alike ({rc.get('rule')}): no rank stopped earlier, "
+                "stayed silent or was named, so none is a suspect"
+            )
     elif d["verdict"] == "failed":
         out.append("")
         out.append("FIRST FAILURE  could not be attributed to a rank (see collateral below)")

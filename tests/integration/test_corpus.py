@@ -57,6 +57,34 @@ def test_case(case: str, diagnoses: dict[str, dict[str, Any]]) -> None:
             assert abs(got["clock"][node]["offset_s"] - rel) < 0.05, got["clock"]
 
 
+def test_the_chain_starts_at_the_initiator_and_the_others_follow(
+    diagnoses: dict[str, dict[str, Any]],
+) -> None:
+    """On every job whose initiator is a line of its own: the chain starts with that line, and the
+    other ranks' failures come after it (on the aligned clock, within its uncertainty)."""
+    seen = 0
+    for case, got in diagnoses.items():
+        ini, ch = got["initiator"], got.get("chain")
+        if ini is None or ini["kind"] != "event" or ch is None:
+            # no line of the rank's own: inferred, or the launcher's report of its exit
+            assert ini is None or ini["kind"] != "event" or ini["rule"].startswith("elastic-"), case
+            continue
+        seen += 1
+        assert ch is not None, case
+        fw = ch["first_warning"]
+        assert (fw["node"], fw["rank"], fw["rule"], fw["time"]) == (
+            ini["node"],
+            ini["rank"],
+            ini["rule"],
+            ini["time"],
+        ), case
+        then = ch.get("then")
+        if then is not None and "lag_s" in then:
+            slack = 2 * max(c["uncertainty_s"] for c in got["clock"].values())
+            assert then["lag_s"] >= -slack, (case, then)
+    assert seen >= 5
+
+
 def naive_earliest_error(job: Path, rules: RuleSet) -> tuple[str, int | None] | None:
     """What grep-and-sort does: the earliest timestamped error line across all files wins."""
     report = ReadReport()
