@@ -42,6 +42,7 @@ MAX_FOLD_LINES = 400
 MAX_CARRY = 512 * 1024
 TRUNCATED_MARKER = b" [denpex: line truncated]"
 TS_LOOKBACK_LINES = 64
+RANK_MAP_WINDOW = 1024  # bytes before `global_ranks=[...]` to look for its `local_ranks=[...]`
 NEIGHBOUR_LINES = 20  # lines before an unprefixed record that may lend it their rank
 HEAD_BYTES = 64 * 1024  # `[rankN]` tags in a file's first bytes tell whose file it is
 DOMINANT_SHARE = 0.9
@@ -58,6 +59,7 @@ _ERROR = SEVERITIES.index("error")
 _EL_RANK = re.compile(r"^\s*rank\s*:\s*(?P<rank>\d+)\s*\(local_rank:\s*(?P<local>\d+)\)")
 _EL_EXIT = re.compile(r"^\s*exitcode\s*:\s*(?P<code>-?\d+)")
 _EL_SIGNAL = re.compile(r"Signal\s+(?P<sig>\d+)\s+\((?P<name>SIG[A-Z0-9]+)\)")
+_RANK_LIST = re.compile(rb"\b(local|global)_ranks=\[([\d, ]{0,4096})\]")
 _RANK_TAG = re.compile(r"\[(?i:rank) ?\d{1,6}\]")
 _EL_HOST = re.compile(r"^\s*host\s*:\s*(?P<host>\S+)")
 
@@ -127,6 +129,10 @@ class LineScanner:
         self._tag_offsets: list[int] = []
         self._tag_counts: dict[int, int] = {}
         self._dominant: list[int | None] = [None]
+        # torchrun's rendezvous results seen so far: (file offset, local rank -> global rank)
+        self._rank_maps: list[tuple[int, dict[int, int]]] = []
+        self._local_ranks: tuple[int, list[int]] | None = None  # the latest `local_ranks=[...]`
+        self._rank_map_seen = 0  # file offset up to which lines were looked at for them
         # sampling state: dense samples still to take, and the newest bucket that gave a sample
         self.dense_left, self.sampled_bucket = sampling if sampling is not None else (dense, -1)
         self._last_progress_offset = -1
@@ -295,6 +301,8 @@ class LineScanner:
             # tags are a property of the file's bytes: counting them once, as soon as they are
             # seen, is the same whatever comes of the buffer (events only look at earlier ones)
             self._add_tags(buf[: min(cut, HEAD_BYTES - self._base)], self._base)
+        if self._track_tags:
+            self._add_rank_maps(buf[:cut], self._base)
         events: list[Event] = []
         spans: list[tuple[int, int]] = []  # (start, end) of each record in `events`
         consumed = cut
@@ -523,6 +531,10 @@ class LineScanner:
         if rank is None and isinstance(fields.get("rank"), int):
             rank = fields["rank"]
         local_rank = prefix_local if prefix_local is not None else src.local_rank
+        if rank is None:
+            named_local = local_rank if local_rank is not None else fields.get("local_rank")
+            if isinstance(named_local, int):
+                rank = self._mapped_rank(named_local, self._base + hit.start)
         ts, ts_source = self._timestamp(buf, hit.start, line)
         if block_end > hit.end:
             text = buf[hit.start : block_end].decode("utf-8", "replace")
@@ -628,6 +640,35 @@ class LineScanner:
             if r is not None and r != rank:
                 return None
         return rank
+
+    def _add_rank_maps(self, data: bytes, base: int) -> None:
+        """torchrun's rendezvous result (printed at INFO when a worker group starts): the node's
+        ``local_ranks=[...]`` and ``global_ranks=[...]``, which give every later line that names
+        only a local rank (``[default3]:``, ``local_rank: 3``) its global rank. Each map applies
+        from its own offset on, and the bytes are looked at once, in order: the same bytes give
+        the same ranks however they were read."""
+        if data.find(b"_ranks=[") < 0:
+            return
+        start = max(self._rank_map_seen - base, 0)
+        for m in _RANK_LIST.finditer(data, start):
+            at = base + m.start()
+            ranks = [int(x) for x in m.group(2).split(b",") if x.strip()]
+            if m.group(1) == b"local":
+                self._local_ranks = (at, ranks)
+            elif self._local_ranks is not None and at - self._local_ranks[0] <= RANK_MAP_WINDOW:
+                locals_ = self._local_ranks[1]
+                if len(locals_) == len(ranks) and ranks:
+                    self._rank_maps.append((at, dict(zip(locals_, ranks, strict=True))))
+        # a list cut off at the buffer's end is looked at again with the rest of its line
+        last_nl = data.rfind(b"\n")
+        self._rank_map_seen = max(self._rank_map_seen, base + last_nl + 1)
+
+    def _mapped_rank(self, local: int, offset: int) -> int | None:
+        """The global rank of ``local`` under the latest rendezvous result before ``offset``."""
+        for at, mapping in reversed(self._rank_maps):
+            if at < offset:
+                return mapping.get(local)
+        return None
 
     def _add_tags(self, data: bytes, base: int) -> None:
         """Count the tags in ``data`` (file offset ``base``) that were not counted yet."""
@@ -742,6 +783,9 @@ class LineScanner:
         self.stats.progress += 1
         prefix_rank, prefix_local = line_rank(hit.line)
         rank = self._rank_of(hit.line, prefix_rank, offset)
+        local = prefix_local if prefix_local is not None else src.local_rank
+        if rank is None and local is not None:
+            rank = self._mapped_rank(local, offset)
         ts, ts_source = self._timestamp(buf, hit.start, hit.line)
         return Event(
             id=event_id(src.agent, src.identity, offset, "progress"),

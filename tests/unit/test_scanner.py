@@ -341,3 +341,33 @@ def test_interleaved_tracebacks_of_two_workers_are_two_records(unit_matcher: Mat
 def test_interleaved_records_do_not_depend_on_read_sizes(unit_matcher: Matcher, sizes: list[int]) -> None:
     data = _interleaved() * 2
     assert [_key(e) for e in _scan(unit_matcher, data, sizes)] == [_key(e) for e in _scan(unit_matcher, data)]
+
+
+def _rdzv_lines() -> list[str]:
+    """torchrun's own lines from a real run with LOGLEVEL=INFO (tests/fixtures/jobs/
+    exception_rdzv_info, node2: group rank 1, local ranks 0 and 1 are global ranks 2 and 3)."""
+    path = Path(__file__).resolve().parents[1] / "fixtures/jobs/exception_rdzv_info/node2/torchrun.log"
+    lines = path.read_text().splitlines(keepends=True)
+    block = [x for x in lines if "Rendezvous complete" in x or "_ranks=[" in x or "group_rank=" in x]
+    failed = [x for x in lines if "failed (exitcode: 1) local_rank: 1" in x]
+    assert len(block) >= 4 and len(failed) == 1
+    return [*block, *failed]
+
+
+def test_torchruns_rendezvous_result_maps_local_ranks_to_global(
+    unit_matcher: Matcher, tmp_path: Path
+) -> None:
+    from denpex_agent.rules import load_rules
+
+    matcher = Matcher(load_rules())
+    lines = _rdzv_lines()
+    data = "".join(lines).encode()
+    failed = next(e for e in _scan(matcher, data) if e.kind == "match" and "exitcode" in e.fields)
+    assert failed.fields["local_rank"] == 1 and failed.rank == 3
+    # without the rendezvous result the line names only its local rank
+    alone = next(e for e in _scan(matcher, lines[-1].encode()) if e.kind == "match")
+    assert alone.rank is None
+    # the same however the bytes were read
+    for size in (7, 64, 333):
+        got = [e for e in _scan(matcher, data, [size]) if e.kind == "match" and "exitcode" in e.fields]
+        assert [e.rank for e in got] == [3]
