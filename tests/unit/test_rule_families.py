@@ -23,6 +23,8 @@ PUBLIC = REPO / "tests" / "fixtures" / "public"
 
 FAMILY_RULES = (
     # numerical-instability
+    "floating-point-error-loss",
+    "deepspeed-loss-scale-minimum",
     "autograd-anomaly-nan",
     "deepspeed-loss-scale-overflow",
     "apex-gradient-overflow",
@@ -32,6 +34,11 @@ FAMILY_RULES = (
     "fr-dump-signal-from-rank",
     "fr-dump-signal-local",
     # communication
+    "nccl-system-error",
+    "nccl-remote-error",
+    "nccl-internal-error",
+    "gloo-connection-closed",
+    "connection-reset-by-peer",
     "nccl-warn-connection-closed",
     "nccl-warn-socket-connect-failed",
     # configuration
@@ -39,8 +46,24 @@ FAMILY_RULES = (
     "invalid-device-ordinal",
     "nccl-shm-ipc-setup-failed",
     # hardware
+    "illegal-memory-access",
+    "cublas-error",
+    "cudnn-error",
+    "ecc-uncorrectable",
     "cuda-error-device-fault",
+    # user-code-exception
+    "device-side-assert",
+    # out-of-memory
+    "cuda-oom",
+    "host-oom-killer",
+    # dataloader
+    "dataloader-worker-killed",
+    "dataloader-shm-bus-error",
+    "dataloader-exited-unexpectedly",
+    "shm-open-failed",
     # process-killed
+    "elastic-worker-sigkill",
+    "elastic-child-failed",
     "deepspeed-launcher-worker-exit",
     "deepspeed-launcher-killing-subprocess",
 )
