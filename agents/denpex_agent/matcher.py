@@ -51,11 +51,14 @@ class Hit:
 
 
 def _vocabulary(pattern: str) -> str:
-    """What the scan looks for of a fallback pattern: its vocabulary, without the level marker
-    and look-arounds (a superset of the lines the pattern matches, which it then verifies)."""
-    return _LOOKAROUND.sub("", pattern[len(LEVEL_MARKER) :])
+    """What the scan looks for of a fallback pattern: the level marker, then anywhere later on
+    the line its vocabulary without look-arounds (a superset of the lines the pattern matches,
+    which it then verifies; a bounded gap would cost the scan far more than this one)."""
+    return LEVEL_MARKER[: -len(_GAP)] + r"[^\n]*" + _LOOKAROUND.sub("", pattern[len(LEVEL_MARKER) :])
 
 
+_GAP = ".{0,300}?"  # between the level marker and the vocabulary in a fallback's pattern
+_LEVEL = re.compile(LEVEL_MARKER[: -len(_GAP)])  # the marker alone: a quick test before the regex
 _LOOKAROUND = re.compile(r"\(\?<?[=!][^()]*\)")
 
 
@@ -223,7 +226,7 @@ class Matcher:
             [
                 (i, _vocabulary(p) if r.fallback else p, r.ignore_case)
                 for i, r in enumerate(self.rules)
-                for p in r.patterns
+                for p in (r.scan or r.patterns)
             ]
         )
         self._progress_db = PatternDatabase(
@@ -294,6 +297,8 @@ class Matcher:
         pool = self.rules if candidates is None else [self.rules[c] for c in candidates]
         best: tuple[tuple[bool, int, int, int], Rule, dict[str, Any]] | None = None
         for rule in pool:
+            if rule.fallback and _LEVEL.search(line) is None:
+                continue  # its vocabulary without a level marker ("INFO ... 0 non-finite values")
             fields = self.search(rule, line)
             if fields is None:
                 continue

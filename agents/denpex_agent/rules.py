@@ -22,6 +22,7 @@ A rule file (``rules/<category>.toml``) looks like::
     counterexamples = ["Connection closed by peer: retrying (1/3)"]
     # scope = "job"                     # optional: the message is about the job's set-up
     # fallback = true                   # optional: a vocabulary, not a signature (see LEVEL_MARKER)
+    # scan = ['...']                    # optional: a cheaper superset the multi-pattern scan uses
     #                                     (two ranks on one GPU), so no rank is its initiator
 
 An example is a line the rule must match, as a string or a table ``{ text, fields, source }``:
@@ -105,15 +106,14 @@ _RULE_KEYS = frozenset(
         "counterexamples",
         "scope",
         "fallback",
+        "scan",
     }
 )
 # Every pattern of a fallback (vocabulary) rule is this level marker, then the vocabulary within
 # the rest of the line: an upper-case level word, "Warning:"/"Error:" (also a Python warning class
-# such as "UserWarning:"), or a glog/c10 level letter with its date. The matcher scans for the
-# vocabulary alone (rare words in a healthy log) and verifies the whole pattern on those lines.
-LEVEL_MARKER = (
-    r"(?:\b(?:WARN(?:ING)?|ERROR|CRITICAL|FATAL)\b|Warning:|\bError:|\b[WE]\d{4} \d\d:\d\d:\d\d).{0,300}?"
-)
+# such as "UserWarning:"). The matcher scans for the marker and the
+# vocabulary later on the line, and verifies the whole pattern on those lines.
+LEVEL_MARKER = r"(?:\b(?:WARN(?:ING)?|ERROR|CRITICAL|FATAL)\b|Warning:|\bError:).{0,300}?"
 SCOPES = ("rank", "job")  # job: the message is about the job's set-up, not one rank's failure
 _REQUIRED_TEXT = ("root_cause", "fix", "verify")
 
@@ -154,6 +154,9 @@ class Rule:
     # a vocabulary rule: it classifies a WARN/ERROR line no other rule matches (any other rule
     # that matches the line wins), and the engine takes its events as weak evidence
     fallback: bool = False
+    # what the multi-pattern scan looks for instead of `patterns` (a cheaper superset: every
+    # example matches one of them; `patterns` then verify the line); empty: the patterns
+    scan: tuple[str, ...] = ()
 
     def search(self, line: str) -> dict[str, int | float | str] | None:
         """Match one line; return the extracted fields ({} when none) or None. Raises
@@ -378,6 +381,12 @@ def _build_rule(src: str, raw: Mapping[str, Any], default_category: Any) -> Rule
     scope = raw.get("scope", "rank")
     if scope not in SCOPES:
         raise RuleError(src, rid, f"'scope' must be one of {', '.join(SCOPES)}")
+    scan = strings("scan")
+    for sp in scan:
+        try:
+            re.compile(sp)
+        except re.error as exc:
+            raise RuleError(src, rid, f"scan pattern {sp!r} does not compile: {exc}") from exc
     fallback = raw.get("fallback", False)
     if not isinstance(fallback, bool):
         raise RuleError(src, rid, "'fallback' must be true or false")
@@ -417,6 +426,7 @@ def _build_rule(src: str, raw: Mapping[str, Any], default_category: Any) -> Rule
         source=src,
         scope=scope,
         fallback=fallback,
+        scan=scan,
     )
 
 
@@ -478,6 +488,12 @@ def self_test(rules: Iterable[Rule]) -> list[SelfTestFailure]:
             if got is None:
                 failures.append(SelfTestFailure(rule.source, rule.id, f"example does not match: {ex.text!r}"))
                 continue
+            if rule.scan and not any(
+                re.search(sp, ex.text, re.IGNORECASE if rule.ignore_case else 0) for sp in rule.scan
+            ):
+                failures.append(
+                    SelfTestFailure(rule.source, rule.id, f"no scan pattern finds example {ex.text!r}")
+                )
             for key, want in ex.fields.items():
                 if got.get(key) != want:
                     failures.append(
