@@ -50,11 +50,13 @@ class Hit:
     fields: dict[str, Any]
 
 
-def _vocabulary(pattern: str) -> str:
-    """What the scan looks for of a fallback pattern: the level marker, then anywhere later on
-    the line its vocabulary without look-arounds (a superset of the lines the pattern matches,
-    which it then verifies; a bounded gap would cost the scan far more than this one)."""
-    return LEVEL_MARKER[: -len(_GAP)] + r"[^\n]*" + _LOOKAROUND.sub("", pattern[len(LEVEL_MARKER) :])
+def _vocabulary(patterns: Sequence[str]) -> str:
+    """What the scan looks for of the fallback patterns, all in one: the level marker, then
+    anywhere later on the line any of their vocabularies without look-arounds (a superset of the
+    lines they match, which each then verifies; a bounded gap, or one entry per rule, would cost
+    the scan far more than this one)."""
+    words = "|".join(_LOOKAROUND.sub("", p[len(LEVEL_MARKER) :]) for p in patterns)
+    return LEVEL_MARKER[: -len(_GAP)] + r"[^\n]*(?:" + words + ")"
 
 
 _GAP = ".{0,300}?"  # between the level marker and the vocabulary in a fallback's pattern
@@ -222,13 +224,19 @@ class Matcher:
         self._order = {r.id: i for i, r in enumerate(self.rules)}
         # A fallback rule's patterns are the level marker, then a vocabulary: the scan looks for
         # the vocabulary alone, and the rule's whole regex verifies the few lines that have it.
-        self._db = PatternDatabase(
-            [
-                (i, _vocabulary(p) if r.fallback else p, r.ignore_case)
-                for i, r in enumerate(self.rules)
-                for p in (r.scan or r.patterns)
-            ]
-        )
+        entries = [
+            (i, p, r.ignore_case)
+            for i, r in enumerate(self.rules)
+            if not r.fallback
+            for p in (r.scan or r.patterns)
+        ]
+        # the fallbacks share one entry, under the index len(rules): a line it finds is every
+        # fallback's candidate
+        self._fallbacks = [i for i, r in enumerate(self.rules) if r.fallback]
+        if self._fallbacks:
+            vocab = _vocabulary([p for i in self._fallbacks for p in self.rules[i].patterns])
+            entries.append((len(self.rules), vocab, False))
+        self._db = PatternDatabase(entries)
         self._progress_db = PatternDatabase(
             [(i, p, r.ignore_case) for i, r in enumerate(self.progress_rules) for p in r.patterns]
         )
@@ -284,6 +292,9 @@ class Matcher:
             while i < n and raw[i][0] <= end + 1:
                 candidates.add(raw[i][1])
                 i += 1
+            if len(self.rules) in candidates:
+                candidates.discard(len(self.rules))
+                candidates.update(self._fallbacks)
             hit = self.classify_line(data, start, end, candidates)
             if hit is not None:
                 hits.append(hit)
