@@ -33,8 +33,11 @@ from denpexd.analysis.hang import HANG_RULE, hang_suspect
 from denpexd.analysis.scope import job_wide
 from denpexd.analysis.story import KILLED_RULE, MAX_CANDIDATES_SHOWN, candidates, rank_candidates, witnesses
 from denpexd.analysis.stragglers import STRAGGLER_RULE, stragglers
-from denpexd.analysis.tracks import Aggregate, NodeProgress, RankTrack, event_order
+from denpexd.analysis.tracks import Aggregate, Aggregates, NodeProgress, RankTrack, event_order
 from denpexd.clock import ClockEstimate, align
+
+TEE_PREFIX = "[default"  # torchrun --tee: "[default<local rank>]:" before each worker line
+ECHO = "\x1fecho"  # the aggregate key suffix of a launcher's echoes of a rule
 
 __all__ = ["HANG_RULE", "KILLED_RULE", "LOOKBACK_S", "STRAGGLER_RULE", "Engine"]
 
@@ -98,6 +101,8 @@ class Engine:
         rule = ev.rule
         if rule is None:
             return
+        if ev.local_rank is not None and ev.text.startswith(TEE_PREFIX):
+            rule += ECHO  # a launcher's echo of a worker's line: its own aggregate (see _unechoed)
         ev = _kept(ev)
         if ev.rank is None:
             ukey = (ev.node, ev.file, ev.local_rank, rule)
@@ -212,6 +217,7 @@ class Engine:
         nodes = self.nodes()
         clocks = self.clocks(nodes)
         aggs, tracks = ranks.resolved(self.aggs, self.unranked, self.tracks, self.unranked_tracks)
+        aggs = _unechoed(aggs)
 
         def aligned(node: str, ts: float | None) -> float | None:
             return None if ts is None else ts - clocks[node].offset_s if node in clocks else ts
@@ -305,6 +311,25 @@ class Engine:
                 "events_of_ranks_not_followed": self.tracks_dropped,
             }
         return out
+
+
+def _unechoed(aggs: Aggregates) -> Aggregates:
+    """A launcher's echo of a worker's line (torchrun --tee's ``[defaultN]:`` copy) is the
+    worker's event, once: where the worker's own file gave the same rule on the same rank, that
+    aggregate stands (its first line is the worker's own) and counts the larger of the two;
+    echoes of lines only the launcher's log holds stand for them. Decided on the whole set of
+    events, so in any order."""
+    if not any(rule.endswith(ECHO) for _n, _r, rule in aggs):
+        return aggs
+    out: Aggregates = {k: a for k, a in aggs.items() if not k[2].endswith(ECHO)}
+    for (node, rank, rule), echo in sorted(
+        ((k, a) for k, a in aggs.items() if k[2].endswith(ECHO)),
+        key=lambda kv: (kv[0][0], kv[0][1] is None, kv[0][1] or 0, kv[0][2]),
+    ):
+        key = (node, rank, rule[: -len(ECHO)])
+        own = out.get(key)
+        out[key] = echo if own is None else Aggregate(own.first, max(own.count, echo.count), own.last_ts)
+    return out
 
 
 def _error_order(a: Aggregate, aligned: Callable[[str, float | None], float | None]) -> tuple[Any, ...]:

@@ -247,3 +247,32 @@ def test_a_launcher_local_rank_is_the_global_rank_of_a_single_node_job() -> None
     assert d["initiator"]["rank"] == 4 and d["initiator"]["category"] == "process-killed"
     e.add(ev("node2", None, None, "elastic-worker-sigterm", lib, local_rank=1))
     assert e.diagnose()["initiator"]["rank"] is None
+
+
+def test_a_launchers_echo_of_a_workers_line_is_the_workers_event_once(unit_rules: RuleSet) -> None:
+    """torchrun --tee copies each worker line into the launcher's log as '[defaultN]:...': with the
+    worker's own file, the event counts once and the evidence is the worker's own line; alone,
+    the echo stands for it."""
+    import dataclasses
+
+    def echo_of(e: Event) -> Event:
+        return dataclasses.replace(
+            e, id=e.id + "-echo", file="b/torchrun.log", local_rank=1, text="[default1]:" + e.text
+        )
+
+    own = [ev("b", 2, T0 + 10 + i, "gloo-closed", unit_rules) for i in range(3)]
+    cause = ev("b", 3, T0 + 9, "cuda-oom", unit_rules)
+    e = Engine("j", unit_rules)
+    for x in [*own, cause]:
+        e.add(x)
+        e.add(echo_of(x))
+    d = e.diagnose()
+    assert d["initiator"]["rank"] == 3 and d["initiator"]["file"] == "b/rank3.log"
+    assert [(c["rank"], c["rule"], c["count"]) for c in d["collateral"]] == [(2, "gloo-closed", 3)]
+    # only the launcher's log: the echoes are the events
+    e2 = Engine("j", unit_rules)
+    for x in [*own, cause]:
+        e2.add(echo_of(x))
+    d2 = e2.diagnose()
+    assert d2["initiator"]["rank"] == 3 and d2["initiator"]["file"] == "b/torchrun.log"
+    assert [(c["rank"], c["count"]) for c in d2["collateral"]] == [(2, 3)]
