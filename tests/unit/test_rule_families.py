@@ -28,11 +28,14 @@ FAMILY_RULES = (
     "autograd-anomaly-nan",
     "deepspeed-loss-scale-overflow",
     "apex-gradient-overflow",
+    "loss-non-finite",
+    "grad-norm-non-finite",
     # hang
     "nccl-watchdog-timeout",
     "nccl-watchdog-status",
     "fr-dump-signal-from-rank",
     "fr-dump-signal-local",
+    "gloo-timeout",
     # communication
     "nccl-system-error",
     "nccl-remote-error",
@@ -41,10 +44,15 @@ FAMILY_RULES = (
     "connection-reset-by-peer",
     "nccl-warn-connection-closed",
     "nccl-warn-socket-connect-failed",
+    "store-timeout",
     # configuration
     "client-socket-timeout",
     "invalid-device-ordinal",
     "nccl-shm-ipc-setup-failed",
+    "address-in-use",
+    "no-cuda-gpus",
+    "driver-too-old",
+    "file-not-found",
     # hardware
     "illegal-memory-access",
     "cublas-error",
@@ -53,9 +61,15 @@ FAMILY_RULES = (
     "cuda-error-device-fault",
     # user-code-exception
     "device-side-assert",
+    "ddp-unfinished-reduction",
+    "device-mismatch",
+    "backward-twice",
+    "inplace-modified-for-grad",
     # out-of-memory
     "cuda-oom",
     "host-oom-killer",
+    "slurm-oom-kill",
+    "cuda-error-out-of-memory",
     # dataloader
     "dataloader-worker-killed",
     "dataloader-shm-bus-error",
@@ -66,6 +80,16 @@ FAMILY_RULES = (
     "elastic-child-failed",
     "deepspeed-launcher-worker-exit",
     "deepspeed-launcher-killing-subprocess",
+    "segfault-python",
+    "slurm-time-limit",
+    "terminate-without-active-exception",
+    "elastic-worker-exit-nonzero",
+    "elastic-closing-signal",
+    # checkpoint-io
+    "no-space-left",
+    "disk-quota-exceeded",
+    "state-dict-mismatch",
+    "too-many-open-files",
 )
 MIN_SOURCES = 3
 
