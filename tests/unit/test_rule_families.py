@@ -45,6 +45,7 @@ FAMILY_RULES = (
     "nccl-warn-connection-closed",
     "nccl-warn-socket-connect-failed",
     "store-timeout",
+    "client-socket-connect-failed",
     # configuration
     "client-socket-timeout",
     "invalid-device-ordinal",
@@ -59,6 +60,8 @@ FAMILY_RULES = (
     "cudnn-error",
     "ecc-uncorrectable",
     "cuda-error-device-fault",
+    "cuda-launch-failure",
+    "nccl-unhandled-cuda-error",
     # user-code-exception
     "device-side-assert",
     "ddp-unfinished-reduction",
@@ -70,11 +73,14 @@ FAMILY_RULES = (
     "host-oom-killer",
     "slurm-oom-kill",
     "cuda-error-out-of-memory",
+    "cpu-alloc-failure",
+    "python-memory-error",
     # dataloader
     "dataloader-worker-killed",
     "dataloader-shm-bus-error",
     "dataloader-exited-unexpectedly",
     "shm-open-failed",
+    "dataloader-worker-exception",
     # process-killed
     "elastic-worker-sigkill",
     "elastic-child-failed",
