@@ -36,6 +36,7 @@ FAMILY_RULES = (
     "fr-dump-signal-from-rank",
     "fr-dump-signal-local",
     "gloo-timeout",
+    "nccl-timeout-at-work",
     # communication
     "nccl-system-error",
     "nccl-remote-error",
@@ -91,6 +92,8 @@ FAMILY_RULES = (
     "terminate-without-active-exception",
     "elastic-worker-exit-nonzero",
     "elastic-closing-signal",
+    "elastic-signal-crash",
+    "srun-task-exited",
     # checkpoint-io
     "no-space-left",
     "disk-quota-exceeded",
