@@ -115,11 +115,16 @@ examples = ["2026-11-29 12:00:00,000 INFO [rank0] step 3 | loss 2.0"]
 """
 
 
+def rules_from_text(tmp_path_factory: pytest.TempPathFactory, name: str, text: str) -> RuleSet:
+    """A rule library of one file holding ``text``, loaded as the daemon loads its library."""
+    d = tmp_path_factory.mktemp(name)
+    (d / f"{name}.toml").write_text(text)
+    return load_rules(d)
+
+
 @pytest.fixture(scope="session")
 def unit_rules(tmp_path_factory: pytest.TempPathFactory) -> RuleSet:
-    d = tmp_path_factory.mktemp("rules")
-    (d / "unit.toml").write_text(UNIT_RULES)
-    return load_rules(d)
+    return rules_from_text(tmp_path_factory, "unit", UNIT_RULES)
 
 
 @pytest.fixture(scope="session")

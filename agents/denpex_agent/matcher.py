@@ -24,7 +24,7 @@ from typing import Any
 import orjson
 
 from denpex_agent.errors import PatternTimeout
-from denpex_agent.rules import LEVEL_MARKER, ROLES, Rule, RuleSet
+from denpex_agent.rules import LEVEL_MARKER, LEVEL_WORDS, ROLES, Rule, RuleSet
 
 log = logging.getLogger(__name__)
 
@@ -56,11 +56,10 @@ def _vocabulary(patterns: Sequence[str]) -> str:
     lines they match, which each then verifies; a bounded gap, or one entry per rule, would cost
     the scan far more than this one)."""
     words = "|".join(_LOOKAROUND.sub("", p[len(LEVEL_MARKER) :]) for p in patterns)
-    return LEVEL_MARKER[: -len(_GAP)] + r"[^\n]*(?:" + words + ")"
+    return LEVEL_WORDS + r"[^\n]*(?:" + words + ")"
 
 
-_GAP = ".{0,300}?"  # between the level marker and the vocabulary in a fallback's pattern
-_LEVEL = re.compile(LEVEL_MARKER[: -len(_GAP)])  # the marker alone: a quick test before the regex
+_LEVEL = re.compile(LEVEL_WORDS)  # the marker alone: a quick test before a fallback's regex
 _LOOKAROUND = re.compile(r"\(\?<?[=!][^()]*\)")
 
 
@@ -222,8 +221,8 @@ class Matcher:
         self.max_line_chars = max_line_chars
         self.timeouts: dict[str, int] = {}  # rule id -> lines on which a pattern timed out
         self._order = {r.id: i for i, r in enumerate(self.rules)}
-        # A fallback rule's patterns are the level marker, then a vocabulary: the scan looks for
-        # the vocabulary alone, and the rule's whole regex verifies the few lines that have it.
+        # A rule's `scan` superset, when it gives one, stands for its patterns in the scan; the
+        # patterns then verify the few lines it finds.
         entries = [
             (i, p, r.ignore_case)
             for i, r in enumerate(self.rules)

@@ -111,9 +111,10 @@ _RULE_KEYS = frozenset(
 )
 # Every pattern of a fallback (vocabulary) rule is this level marker, then the vocabulary within
 # the rest of the line: an upper-case level word, "Warning:"/"Error:" (also a Python warning class
-# such as "UserWarning:"). The matcher scans for the marker and the
-# vocabulary later on the line, and verifies the whole pattern on those lines.
-LEVEL_MARKER = r"(?:\b(?:WARN(?:ING)?|ERROR|CRITICAL|FATAL)\b|Warning:|\bError:).{0,300}?"
+# such as "UserWarning:"). The matcher scans for the level words and the vocabulary later on the
+# line, and verifies the whole pattern on those lines.
+LEVEL_WORDS = r"(?:\b(?:WARN(?:ING)?|ERROR|CRITICAL|FATAL)\b|Warning:|\bError:)"
+LEVEL_MARKER = LEVEL_WORDS + ".{0,300}?"
 SCOPES = ("rank", "job")  # job: the message is about the job's set-up, not one rank's failure
 _REQUIRED_TEXT = ("root_cause", "fix", "verify")
 

@@ -302,7 +302,7 @@ class LineScanner:
             # seen, is the same whatever comes of the buffer (events only look at earlier ones)
             self._add_tags(buf[: min(cut, HEAD_BYTES - self._base)], self._base)
         if self._track_tags:
-            self._add_rank_maps(buf[:cut], self._base)
+            self._add_rank_maps(buf, cut, self._base)
         events: list[Event] = []
         spans: list[tuple[int, int]] = []  # (start, end) of each record in `events`
         consumed = cut
@@ -598,12 +598,16 @@ class LineScanner:
         want = self.context_lines
         if want <= 0:
             return []
+        return mask_lines(self._lines_before(buf, pos, want))
+
+    def _lines_before(self, buf: bytes, pos: int, want: int) -> list[str]:
+        """Up to ``want`` lines before ``pos`` (a line start), from the buffer and then the tail."""
         lines = _last_lines(buf, pos, want)
         for seg in reversed(self._segments):  # newest first; each segment starts at a line start
             if len(lines) >= want:
                 break
             lines = _last_lines(seg, len(seg), want - len(lines)) + lines
-        return mask_lines(lines)
+        return lines
 
     # -- ranks --------------------------------------------------------------------------------
 
@@ -626,12 +630,7 @@ class LineScanner:
         """The rank of an unprefixed record (a traceback in a merged stream) from the lines just
         before it: when the ranks they name are one and the same, and the record's own lines name
         no other. Decided by the bytes up to the record's end, so the same however they were read."""
-        before = _last_lines(buf, pos, NEIGHBOUR_LINES)
-        for seg in reversed(self._segments):
-            if len(before) >= NEIGHBOUR_LINES:
-                break
-            before = _last_lines(seg, len(seg), NEIGHBOUR_LINES - len(before)) + before
-        named = {r for r in map(_tagged_rank, before) if r is not None}
+        named = {r for r in map(_tagged_rank, self._lines_before(buf, pos, NEIGHBOUR_LINES)) if r is not None}
         if len(named) != 1:
             return None
         (rank,) = named
@@ -641,16 +640,16 @@ class LineScanner:
                 return None
         return rank
 
-    def _add_rank_maps(self, data: bytes, base: int) -> None:
+    def _add_rank_maps(self, data: bytes, cut: int, base: int) -> None:
         """torchrun's rendezvous result (printed at INFO when a worker group starts): the node's
         ``local_ranks=[...]`` and ``global_ranks=[...]``, which give every later line that names
         only a local rank (``[default3]:``, ``local_rank: 3``) its global rank. Each map applies
         from its own offset on, and the bytes are looked at once, in order: the same bytes give
         the same ranks however they were read."""
-        if data.find(b"_ranks=[") < 0:
-            return
         start = max(self._rank_map_seen - base, 0)
-        for m in _RANK_LIST.finditer(data, start):
+        if data.find(b"_ranks=[", start, cut) < 0:
+            return
+        for m in _RANK_LIST.finditer(data, start, cut):
             at = base + m.start()
             ranks = [int(x) for x in m.group(2).split(b",") if x.strip()]
             if m.group(1) == b"local":
@@ -660,7 +659,7 @@ class LineScanner:
                 if len(locals_) == len(ranks) and ranks:
                     self._rank_maps.append((at, dict(zip(locals_, ranks, strict=True))))
         # a list cut off at the buffer's end is looked at again with the rest of its line
-        last_nl = data.rfind(b"\n")
+        last_nl = data.rfind(b"\n", 0, cut)
         self._rank_map_seen = max(self._rank_map_seen, base + last_nl + 1)
 
     def _mapped_rank(self, local: int, offset: int) -> int | None:

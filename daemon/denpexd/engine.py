@@ -33,7 +33,7 @@ from denpexd.analysis.hang import HANG_RULE, hang_suspect
 from denpexd.analysis.scope import job_wide
 from denpexd.analysis.story import KILLED_RULE, MAX_CANDIDATES_SHOWN, candidates, rank_candidates, witnesses
 from denpexd.analysis.stragglers import STRAGGLER_RULE, stragglers
-from denpexd.analysis.tracks import Aggregate, Aggregates, NodeProgress, RankTrack, event_order
+from denpexd.analysis.tracks import Aggregate, Aggregates, NodeProgress, RankTrack, aligned_order, event_order
 from denpexd.clock import ClockEstimate, align
 
 TEE_PREFIX = "[default"  # torchrun --tee: "[default<local rank>]:" before each worker line
@@ -263,7 +263,7 @@ class Engine:
         # from its earliest error, belongs to the job
         alike = cause is None and bool(failing)
         if alike:
-            first_error = min(failing, key=lambda a: _error_order(a, aligned)).first
+            first_error = min((a.first for a in failing), key=lambda ev: aligned_order(ev, aligned))
             explained = root_cause(rules, first_error.rule or "", first_error.category or "")
         if failing:
             verdict = "failed"
@@ -330,11 +330,6 @@ def _unechoed(aggs: Aggregates) -> Aggregates:
         own = out.get(key)
         out[key] = echo if own is None else Aggregate(own.first, max(own.count, echo.count), own.last_ts)
     return out
-
-
-def _error_order(a: Aggregate, aligned: Callable[[str, float | None], float | None]) -> tuple[Any, ...]:
-    at = aligned(a.first.node, a.first.ts)
-    return (at is None, at if at is not None else 0.0, event_order(a.first))
 
 
 def _is_generic(rules: RuleSet, rule_id: str) -> bool:

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from denpex_agent.events import Event
-from denpex_agent.rules import RuleSet, load_rules
+from denpex_agent.rules import RuleSet
 from denpexd.analysis.fingerprints import nan_fingerprint, scale_drops
 from denpexd.analysis.tracks import Aggregate, Aggregates, NodeProgress, RankTrack, Tracks
-from tests.conftest import UNIT_RULES
+from tests.conftest import UNIT_RULES, rules_from_text
 from tests.unit.test_engine import T0, ev
 
 SCALE_RULE = """
@@ -31,9 +29,7 @@ examples = ["Gradient overflow. Skipping step, reducing loss scale to 1024"]
 
 @pytest.fixture(scope="module")
 def rules(tmp_path_factory: pytest.TempPathFactory) -> RuleSet:
-    d: Path = tmp_path_factory.mktemp("nan-rules")
-    (d / "nan.toml").write_text(UNIT_RULES + SCALE_RULE)
-    return load_rules(d)
+    return rules_from_text(tmp_path_factory, "nan", UNIT_RULES + SCALE_RULE)
 
 
 def _aggs(*events: Event) -> Aggregates:

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
-from denpex_agent.rules import RuleSet, load_rules
+from denpex_agent.rules import RuleSet
 from denpexd.analysis.scope import JOB_SCOPE_WINDOW_S, job_wide
 from denpexd.analysis.story import Candidate, rank_candidates
 from denpexd.clock import ClockEstimate
+from tests.conftest import rules_from_text
 from tests.unit.test_engine import T0
 
 SETUP_RULE = """
@@ -32,9 +31,7 @@ examples = ["FileNotFoundError: [Errno 2] No such file or directory: 'data'"]
 
 @pytest.fixture(scope="module")
 def rules(tmp_path_factory: pytest.TempPathFactory) -> RuleSet:
-    d: Path = tmp_path_factory.mktemp("scope-rules")
-    (d / "scope.toml").write_text(SETUP_RULE)
-    return load_rules(d)
+    return rules_from_text(tmp_path_factory, "scope", SETUP_RULE)
 
 
 def _cand(node: str, rank: int, rule: str, at: float | None) -> Candidate:

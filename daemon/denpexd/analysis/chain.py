@@ -15,7 +15,7 @@ from denpex_agent.events import Event
 from denpex_agent.rules import SEVERITIES
 from denpexd.analysis.evidence import format_iso
 from denpexd.analysis.story import Candidate
-from denpexd.analysis.tracks import Aggregates, Aligned, NodeProgress, event_order
+from denpexd.analysis.tracks import Aggregates, Aligned, NodeProgress, aligned_order
 
 ERROR = SEVERITIES.index("error")
 TEXT_CHARS = 200
@@ -33,39 +33,27 @@ def chain(
     if first.event is None or first.kind != "event" or _reported(first.event):
         return None
     mine = (first.node, first.rank)
-    own_error: Event | None = None
-    own_rank: int | None = first.rank
-    own_error_at: float | None = None
-    others: dict[tuple[str, int | None], tuple[float, Event, int | None]] = {}
+    # each rank's earliest error (the initiator's own too), on the reference clock
+    earliest: dict[tuple[str, int | None], tuple[tuple[bool, float, Any], Event]] = {}
     for (node, rank, _rule), agg in aggs.items():
         ev = agg.first
-        if SEVERITIES.index(ev.severity or "info") < ERROR:
+        if SEVERITIES.index(ev.severity or "info") < ERROR or (rank is None and (node, rank) != mine):
             continue
-        at = aligned(node, ev.ts)
-        if at is None:
-            continue
-        # earliest first; at equal times by the events' own order (any arrival order alike)
-        if (node, rank) == mine:
-            if (
-                own_error is None
-                or own_error_at is None
-                or (at, event_order(ev)) < (own_error_at, event_order(own_error))
-            ):
-                own_error, own_error_at = ev, at
-        elif rank is not None:
-            cur = others.get((node, rank))
-            if cur is None or (at, event_order(ev)) < (cur[0], event_order(cur[1])):
-                others[(node, rank)] = (at, ev, rank)
+        key = aligned_order(ev, aligned)
+        cur = earliest.get((node, rank))
+        if not key[0] and (cur is None or key < cur[0]):
+            earliest[(node, rank)] = (key, ev)
     out: dict[str, Any] = {"first_warning": _step(first.event, first.rank, first.aligned, progress)}
-    if own_error is not None and own_error.id != first.event.id:
-        out["first_error"] = _step(own_error, own_rank, own_error_at, progress)
-    if others:
-        after = sorted(others.values(), key=lambda item: (item[0], event_order(item[1])))
-        t0, ev0, rank0 = after[0]
+    own = earliest.pop(mine, None)
+    if own is not None and own[1].id != first.event.id:
+        out["first_error"] = _step(own[1], first.rank, own[0][1], progress)
+    if earliest:
+        after = sorted(((key, ev, rank) for (_n, rank), (key, ev) in earliest.items()), key=lambda i: i[0])
+        (_none, t0, _order), ev0, rank0 = after[0]
         spread: dict[str, Any] = {
             "ranks": len(after),
             "first": _step(ev0, rank0, t0, progress),
-            "rules": sorted({ev.rule or "" for _t, ev, _r in after}),
+            "rules": sorted({ev.rule or "" for _k, ev, _r in after}),
         }
         if first.aligned is not None:
             spread["lag_s"] = round(t0 - first.aligned, 3)

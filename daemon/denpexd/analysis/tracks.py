@@ -24,6 +24,14 @@ def event_order(ev: Event) -> tuple[bool, float, str, int, str]:
     return (ts is None, ts if ts is not None else 0.0, ev.file, ev.offset, ev.id)
 
 
+def aligned_order(
+    ev: Event, aligned: Callable[[str, float | None], float | None]
+) -> tuple[bool, float, tuple[bool, float, str, int, str]]:
+    """Events on the reference clock (unknown last), equal times by `event_order`."""
+    at = aligned(ev.node, ev.ts)
+    return (at is None, at if at is not None else 0.0, event_order(ev))
+
+
 def progress_order(step: int, ev: Event) -> tuple[int, bool, float, str, int, str]:
     """Which of two step lines is further along: the higher step, then the later line."""
     ts = ev.ts
