@@ -9,7 +9,7 @@ A rule file (``rules/<category>.toml``) looks like::
     id = "gloo-connection-closed"
     title = "gloo: connection closed by peer"
     severity = "error"                  # info | warning | error | critical
-    role = "collateral"                 # root-cause | symptom | collateral | progress
+    role = "collateral"                 # root-cause | symptom | collateral | progress | marker
     patterns = ['Connection closed by peer \\[']
     root_cause = "..."
     fix = "..."
@@ -60,7 +60,10 @@ from denpex_agent.errors import PatternTimeout, RuleError
 
 SCHEMA = 1
 SEVERITIES = ("info", "warning", "error", "critical")
-ROLES = ("root-cause", "symptom", "collateral", "progress")
+ROLES = ("root-cause", "symptom", "collateral", "progress", "marker")
+# What a marker line announces: a pause in the step lines that is expected (evaluation,
+# checkpoint saving), or the end of training.
+MARKERS = ("pause", "end")
 CATEGORIES = (
     "numerical-instability",
     "out-of-memory",
@@ -107,6 +110,7 @@ _RULE_KEYS = frozenset(
         "scope",
         "fallback",
         "scan",
+        "marker",
     }
 )
 # Every pattern of a fallback (vocabulary) rule is this level marker, then the vocabulary within
@@ -158,6 +162,8 @@ class Rule:
     # what the multi-pattern scan looks for instead of `patterns` (a cheaper superset: every
     # example matches one of them; `patterns` then verify the line); empty: the patterns
     scan: tuple[str, ...] = ()
+    # a marker rule's announcement (`MARKERS`): its lines tell the stall watch what a pause means
+    marker: str | None = None
 
     def search(self, line: str) -> dict[str, int | float | str] | None:
         """Match one line; return the extracted fields ({} when none) or None. Raises
@@ -367,7 +373,7 @@ def _build_rule(src: str, raw: Mapping[str, Any], default_category: Any) -> Rule
     if severity not in SEVERITIES:
         raise RuleError(src, rid, f"severity {severity!r} is not one of {', '.join(SEVERITIES)}")
     category = raw.get("category", default_category)
-    allowed = (PROGRESS_CATEGORY,) if role == "progress" else CATEGORIES
+    allowed = (PROGRESS_CATEGORY,) if role in ("progress", "marker") else CATEGORIES
     if category not in allowed:
         raise RuleError(src, rid, f"category {category!r} is not one of {', '.join(allowed)}")
     ignore_case = raw.get("ignore_case", False)
@@ -405,7 +411,12 @@ def _build_rule(src: str, raw: Mapping[str, Any], default_category: Any) -> Rule
     counterexamples = strings("counterexamples")
     if not examples:
         raise RuleError(src, rid, "at least one example (real text) is required")
-    needs_text = role != "progress"
+    marker = raw.get("marker")
+    if (marker is not None) != (role == "marker"):
+        raise RuleError(src, rid, "a marker rule (role \"marker\") names its 'marker', and only it does")
+    if marker is not None and (marker not in MARKERS or severity != "info"):
+        raise RuleError(src, rid, f"'marker' must be one of {', '.join(MARKERS)}, on an info-severity rule")
+    needs_text = role not in ("progress", "marker")
     return Rule(
         id=rid,
         title=text("title"),
@@ -428,6 +439,7 @@ def _build_rule(src: str, raw: Mapping[str, Any], default_category: Any) -> Rule
         scope=scope,
         fallback=fallback,
         scan=scan,
+        marker=marker,
     )
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -33,7 +34,17 @@ from denpexd.analysis.hang import HANG_RULE, hang_suspect
 from denpexd.analysis.scope import job_wide
 from denpexd.analysis.story import KILLED_RULE, MAX_CANDIDATES_SHOWN, candidates, rank_candidates, witnesses
 from denpexd.analysis.stragglers import STRAGGLER_RULE, stragglers
-from denpexd.analysis.tracks import Aggregate, Aggregates, NodeProgress, RankTrack, aligned_order, event_order
+from denpexd.analysis.tracks import (
+    JOB_SERIES,
+    Aggregate,
+    Aggregates,
+    NodeProgress,
+    RankTrack,
+    StepMax,
+    aligned_order,
+    event_order,
+)
+from denpexd.analysis.trends import trends
 from denpexd.clock import ClockEstimate, align
 
 TEE_PREFIX = "[default"  # torchrun --tee: "[default<local rank>]:" before each worker line
@@ -72,6 +83,10 @@ class Engine:
         self.unranked_tracks: dict[tuple[str, str, int | None], RankTrack] = {}
         self.progress: dict[str, NodeProgress] = {}  # node -> its ranks' pooled progress samples
         self.agent_offsets: dict[str, tuple[float, float]] = {}
+        self.markers: dict[tuple[str, int | None], Event] = {}  # (node, rank) -> newest marker
+        self.curves: dict[str, StepMax] = {}  # loss, grad norm: the largest value per step
+        self.min_scale: float | None = None  # the smallest loss scale any line reported
+        self._trend_cache: tuple[Any, list[dict[str, Any]]] | None = None
         self.events_seen = 0
         self.rank_events: dict[tuple[str, int | None], int] = {}  # rule events per (node, rank)
         self.overflow: dict[str, int] = {}  # events of aggregates not kept (the bounds), by rule
@@ -101,6 +116,16 @@ class Engine:
         rule = ev.rule
         if rule is None:
             return
+        if ev.role == "marker":
+            self._marker(ev)
+            return
+        scale = ev.fields.get("scale")
+        if (
+            isinstance(scale, float)
+            and math.isfinite(scale)
+            and (self.min_scale is None or scale < self.min_scale)
+        ):
+            self.min_scale = scale
         if ev.local_rank is not None and ev.text.startswith(TEE_PREFIX):
             rule += ECHO  # a launcher's echo of a worker's line: its own aggregate (see _unechoed)
         ev = _kept(ev)
@@ -129,6 +154,21 @@ class Engine:
             return
         self.rank_events[nr] = self.rank_events.get(nr, 0) + 1
         agg.add(ev)
+
+    def _trends(self) -> list[dict[str, Any]]:
+        """`analysis.trends.trends`, recomputed only when a curve or the loss scale changed."""
+        key = (tuple((n, c.version) for n, c in sorted(self.curves.items())), self.min_scale)
+        if self._trend_cache is None or self._trend_cache[0] != key:
+            self._trend_cache = (key, trends(self.curves, self.min_scale))
+        return [dict(t) for t in self._trend_cache[1]]
+
+    def _marker(self, ev: Event) -> None:
+        """Keep each rank's newest marker (pause or end of training): markers never take part in
+        the failure analysis; the stall check reads them."""
+        key = (ev.node, ev.rank if ev.rank is not None else ev.local_rank)
+        old = self.markers.get(key)
+        if old is None or event_order(ev) > event_order(old):
+            self.markers[key] = _kept(ev)
 
     def _room_for(self, ev: Event) -> bool:
         """Whether a new aggregate may be kept (see the bounds above); if not, the event is
@@ -167,6 +207,16 @@ class Engine:
                 if track is None:
                     return
         track.add(step, ev.ts, ev)
+        fields = ev.fields
+        if "tip" in fields:
+            return
+        for name in JOB_SERIES:
+            v = fields.get(name)
+            if isinstance(v, float) and math.isfinite(v):
+                curve = self.curves.get(name)
+                if curve is None:
+                    curve = self.curves[name] = StepMax()
+                curve.add(step, v)
 
     def _node(self, node: str) -> NodeProgress:
         p = self.progress.get(node)
@@ -257,6 +307,9 @@ class Engine:
         slow = stragglers(tracks)
         drops_of = scale_drops(aggs, rules)
         drops = sum(a.count for a in drops_of)
+        trend = self._trends()
+        # many drops are the scaler settling unless the scale's values say otherwise (collapse)
+        drops_degrade = drops >= LOSS_SCALE_DROPS_DEGRADED and self.min_scale is None
         cause = shared or (initiator[0] if initiator else None)
         explained = root_cause(rules, cause.rule, cause.category) if cause else None
         # failed, and no rank stands out (every rank only waited, alike): the failure's story,
@@ -267,10 +320,12 @@ class Engine:
             explained = root_cause(rules, first_error.rule or "", first_error.category or "")
         if failing:
             verdict = "failed"
-        elif slow or drops >= LOSS_SCALE_DROPS_DEGRADED:
+        elif slow or trend or drops_degrade:
             verdict = "degraded"
-            if slow:
-                explained = root_cause(rules, STRAGGLER_RULE, "dataloader")
+            if trend:
+                explained = root_cause(rules, trend[0]["rule"], "numerical-instability")
+            elif slow:
+                explained = root_cause(rules, slow[0]["rule"], "dataloader")
             else:
                 first = min(drops_of, key=lambda a: event_order(a.first)).first
                 explained = root_cause(rules, first.rule or "", first.category or "")
@@ -298,7 +353,9 @@ class Engine:
             "evidence": evidence(initiator[0]) if initiator else None,
             "chain": chain(shown[0], aggs, aligned, self.progress) if shown else None,
             "stragglers": slow,
+            "trends": trend,
             "loss_scale_drops": drops,
+            "loss_scale_min": self.min_scale,
             "ranks": rank_table(tracks, aligned, self.rank_events),
             "stats": {"events": self.events_seen, "aggregates": len(self.aggs) + len(self.unranked)},
         }

@@ -34,7 +34,7 @@ def _load_generator():
 
 gen = _load_generator()
 RULES = load_rules()
-FAILURE_RULES: list[Rule] = [r for r in RULES if r.role != "progress"]
+FAILURE_RULES: list[Rule] = [r for r in RULES if r.role not in ("progress", "marker")]
 PROGRESS_RULES: list[Rule] = [r for r in RULES if r.role == "progress"]
 
 

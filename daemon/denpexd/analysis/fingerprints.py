@@ -15,6 +15,7 @@ from denpex_agent.rules import SEVERITIES, RuleSet
 from denpexd.analysis.tracks import Aggregate, Aggregates, Aligned, Tracks
 
 ERROR = SEVERITIES.index("error")
+SCALE_REPORT_RULE = "loss-scale-reported-below-one"  # a logged value, not a drop
 LOSS_SCALE_DROPS_DEGRADED = 3  # drops (all ranks together) that make a job without failure degraded
 STAGES = ("none", "info", "warn", "error")
 
@@ -48,7 +49,11 @@ def is_scale_drop(a: Aggregate, rules: RuleSet) -> bool:
     """Whether the aggregate is of a loss-scale drop: a NaN-fingerprint warning about the scale."""
     rule = rules.get(a.first.rule or "")
     return (
-        rule is not None and rule.fingerprint == "nan" and rule.severity == "warning" and "scale" in rule.id
+        rule is not None
+        and rule.fingerprint == "nan"
+        and rule.severity == "warning"
+        and "scale" in rule.id
+        and rule.id != SCALE_REPORT_RULE
     )
 
 

@@ -15,6 +15,11 @@ from dataclasses import dataclass, field
 
 from denpex_agent.events import Event
 
+# the progress values a rank's track keeps samples of (stragglers), and those the job keeps the
+# largest value per step of (trends)
+SERIES = ("data_time", "step_time")
+JOB_SERIES = ("loss", "grad_norm")
+MAX_RANK_SAMPLES = 256  # samples kept per rank and value (see Series)
 MAX_SAMPLES = 1024  # steps kept per node curve or per rank's data times (see StepSamples)
 
 
@@ -94,6 +99,72 @@ class StepSamples:
         return [v for vs in self.by_step.values() for v in vs]
 
 
+class Series:
+    """One rank's samples of one value, compact (two arrays), bounded to `MAX_RANK_SAMPLES`:
+    beyond that only samples of steps that are multiples of a doubled stride are kept, so the
+    kept samples are the same whatever order they came in."""
+
+    __slots__ = ("steps", "stride", "vals")
+
+    def __init__(self) -> None:
+        self.steps = array("q")
+        self.vals = array("d")
+        self.stride = 1
+
+    def add(self, step: int, value: float) -> None:
+        if step % self.stride:
+            return
+        self.steps.append(step)
+        self.vals.append(value)
+        while len(self.steps) > MAX_RANK_SAMPLES:
+            self.stride *= 2
+            keep = [i for i, s in enumerate(self.steps) if s % self.stride == 0]
+            self.steps = array("q", (self.steps[i] for i in keep))
+            self.vals = array("d", (self.vals[i] for i in keep))
+
+    def values(self) -> list[float]:
+        return list(self.vals)
+
+    def recent_median(self) -> float:
+        """The median of the later half of the samples (by step)."""
+        pairs = self.pairs()
+        return statistics.median(v for _, v in pairs[len(pairs) // 2 :]) if pairs else math.nan
+
+    def pairs(self) -> list[tuple[int, float]]:
+        """(step, value) in step order (values of one step in ascending order)."""
+        return sorted(zip(self.steps, self.vals, strict=True))
+
+    def __len__(self) -> int:
+        return len(self.steps)
+
+
+class StepMax:
+    """The largest value seen per step (of any rank), bounded to `MAX_SAMPLES` steps like
+    `StepSamples`: a job's loss or gradient-norm curve. The largest, because it does not depend
+    on the order values arrive in and a spike on any rank shows."""
+
+    __slots__ = ("by_step", "stride", "version")
+
+    def __init__(self) -> None:
+        self.by_step: dict[int, float] = {}
+        self.stride = 1
+        self.version = 0  # changes whenever the curve does
+
+    def add(self, step: int, value: float) -> None:
+        if step % self.stride:
+            return
+        old = self.by_step.get(step)
+        if old is None or value > old:
+            self.by_step[step] = value
+            self.version += 1
+            while len(self.by_step) > MAX_SAMPLES:
+                self.stride *= 2
+                self.by_step = {s: v for s, v in self.by_step.items() if s % self.stride == 0}
+
+    def curve(self) -> list[tuple[int, float]]:
+        return sorted(self.by_step.items())
+
+
 class NodeProgress(StepSamples):
     """One node's progress samples, pooled over its ranks: step -> local times (one per sample).
 
@@ -141,7 +212,8 @@ class RankTrack:
     last_step: int | None = None
     last_step_ts: float | None = None
     last_progress: Event | None = None
-    data_times: StepSamples | None = None
+    # per value name (`SERIES`): the finite values of this rank's progress samples, by step
+    series: dict[str, Series] | None = None
     # how many of this rank's events came from each file and under each local rank: the votes
     # that give an event naming no global rank its rank (see analysis.ranks)
     files: dict[str, int] = field(default_factory=dict)
@@ -175,14 +247,26 @@ class RankTrack:
             return
         if self.rank is not None:
             self.vote(ev)
-        if ts is None:
-            return
-        self.progress.add(step, ts)
-        dt = ev.fields.get("data_time")
-        if isinstance(dt, (int, float)) and not isinstance(dt, bool) and math.isfinite(dt):
-            if self.data_times is None:
-                self.data_times = StepSamples()
-            self.data_times.add(step, float(dt))
+        fields = ev.fields
+        for name in SERIES:
+            v = fields.get(name)
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+                self.series_of(name).add(step, float(v))
+        if ts is not None:
+            self.progress.add(step, ts)
+
+    def series_of(self, name: str) -> Series:
+        """This rank's samples of one progress value (`SERIES`), made on first use."""
+        if self.series is None:
+            self.series = {}
+        got = self.series.get(name)
+        if got is None:
+            got = self.series[name] = Series()
+        return got
+
+    @property
+    def data_times(self) -> Series | None:
+        return self.series.get("data_time") if self.series is not None else None
 
     def copy(self) -> RankTrack:
         dup = RankTrack(
@@ -201,12 +285,10 @@ class RankTrack:
             ):
                 self.last_step, self.last_step_ts = other.last_step, other.last_step_ts
                 self.last_progress = other.last_progress
-        if other.data_times is not None:
-            if self.data_times is None:
-                self.data_times = StepSamples()
-            for step, values in other.data_times.by_step.items():
-                for v in values:
-                    self.data_times.add(step, v)
+        for name, samples in (other.series or {}).items():
+            mine = self.series_of(name)
+            for step, v in zip(samples.steps, samples.vals, strict=True):
+                mine.add(step, v)
 
 
 # The keys the engine's state and every analysis use.

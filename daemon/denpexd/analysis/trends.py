@@ -1,0 +1,98 @@
+"""Numerical trouble that prints no error: a loss that spikes or diverges, a gradient norm that
+explodes, a loss scale that collapses.
+
+The loss and gradient-norm curves are the job's (the largest value any rank logged per step, see
+`tracks.StepMax`), judged against their own history rather than a fixed number. A point is
+anomalous when it stands above the median of the `WINDOW` points before it both by a robust
+z-score (the median absolute deviation, floored at `REL_FLOOR` of the median so that a flat
+history does not turn every wiggle into infinity) and by a ratio (`RATIO`: a loss 1.5 times its
+recent median, a gradient norm 10 times). The first anomalous point starts the episode. When the
+curve's last `TAIL` points are still anomalous against the baseline before the start, the value
+diverged; otherwise it spiked and recovered at the first point back below the ratio.
+
+Dynamic loss scaling halves the scale on every overflow. Many halvings right after the start are
+the scaler settling from its deliberately high initial value (2^16 to 2^32) and are healthy; a
+scale below 1 is not: the loss is then scaled *down* and the gradients still overflow, so every
+step is skipped or worthless (DeepSpeed stops at its minimum of 1 for this reason).
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+from denpexd.analysis.tracks import StepMax
+
+WINDOW = 32  # points of history a point is judged against
+MIN_HISTORY = 5  # points needed before the first judgement
+Z = 8.0  # robust z-score of an anomalous point
+RATIO = {"loss": 1.5, "grad_norm": 10.0}  # ... and how many times its baseline it must be
+REL_FLOOR = 0.01  # the deviation's floor, as a fraction of the baseline's magnitude
+TAIL = 3  # the last points that decide "still diverging"
+MIN_SCALE = 1.0  # a loss scale below this has collapsed
+
+DIVERGENCE_RULE = "loss-divergence"
+SPIKE_RULES = {"loss": "loss-spike", "grad_norm": "grad-norm-spike"}
+SCALE_RULE = "loss-scale-collapse"
+
+
+def _baseline(history: list[float]) -> tuple[float, float]:
+    """The median of ``history`` and its robust spread (scaled MAD, floored)."""
+    med = statistics.median(history)
+    mad = statistics.median(abs(h - med) for h in history)
+    return med, max(1.4826 * mad, REL_FLOOR * abs(med), 1e-12)
+
+
+def _anomalous(value: float, med: float, spread: float, ratio: float) -> bool:
+    excess = value - med
+    return excess > Z * spread and excess > (ratio - 1.0) * abs(med)
+
+
+def episode(curve: list[tuple[int, float]], metric: str) -> dict[str, Any] | None:
+    """The first anomalous episode of one curve (``(step, value)`` in step order), or None."""
+    ratio = RATIO[metric]
+    values = [v for _, v in curve]
+    for i in range(MIN_HISTORY, len(curve)):
+        med, spread = _baseline(values[max(0, i - WINDOW) : i])
+        if not _anomalous(values[i], med, spread, ratio):
+            continue
+        step, value = curve[i]
+        after = curve[i + 1 :]
+        tail = [v for _, v in curve[-TAIL:]] if len(after) >= TAIL else []
+        diverged = bool(tail) and all(_anomalous(v, med, spread, ratio) for v in tail)
+        back = None if diverged else next((s for s, v in after if v < med * ratio), None)
+        peak_step, peak = max(curve[i:], key=lambda sv: sv[1])
+        return {
+            "metric": metric,
+            "kind": "divergence" if diverged and metric == "loss" else "spike",
+            "start_step": step,
+            "value": _round(value),
+            "baseline": _round(med),
+            "ratio": _round(value / med) if med > 0 else None,
+            "robust_z": round((value - med) / spread, 1),
+            "peak_step": peak_step,
+            "peak": _round(peak),
+            "recovered_step": back,
+            "last_value": _round(values[-1]),
+        }
+    return None
+
+
+def trends(curves: dict[str, StepMax], min_scale: float | None) -> list[dict[str, Any]]:
+    """Every curve's first episode and the loss scale's collapse, earliest step first (a
+    collapse has no step of its own and comes last); each names the rule that explains it."""
+    out = []
+    for metric in ("loss", "grad_norm"):
+        c = curves.get(metric)
+        got = episode(c.curve(), metric) if c is not None else None
+        if got is not None:
+            got["rule"] = DIVERGENCE_RULE if got["kind"] == "divergence" else SPIKE_RULES[metric]
+            out.append(got)
+    out.sort(key=lambda e: (e["start_step"], e["metric"] != "loss"))
+    if min_scale is not None and min_scale < MIN_SCALE:
+        out.append({"metric": "loss_scale", "kind": "collapse", "value": min_scale, "rule": SCALE_RULE})
+    return out
+
+
+def _round(v: float) -> float:
+    return float(f"{v:.6g}")

@@ -1,0 +1,74 @@
+"""analysis.trends: loss spikes and divergence, gradient-norm spikes, loss-scale collapse, judged
+against the job's own history."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from denpexd.analysis.tracks import StepMax
+from denpexd.analysis.trends import episode, trends
+
+
+def _curve(values: list[float], first: int = 0) -> StepMax:
+    c = StepMax()
+    for i, v in enumerate(values):
+        c.add(first + i, v)
+    return c
+
+
+def _training_loss(rng: random.Random, n: int) -> list[float]:
+    """A healthy loss: decays from ~10 toward ~2 with a few percent of batch noise."""
+    return [(2.0 + 8.0 * math.exp(-i / 60)) * rng.gauss(1.0, 0.04) for i in range(n)]
+
+
+def test_a_spike_that_recovers_names_its_start_peak_and_recovery() -> None:
+    rng = random.Random(1)
+    values = _training_loss(rng, 300)
+    for i, k in zip(range(200, 206), (1.4, 2.5, 4.0, 3.0, 1.2, 1.05), strict=True):
+        values[i] *= k
+    got = episode(_curve(values).curve(), "loss")
+    assert got is not None and got["kind"] == "spike"
+    assert got["start_step"] in (201, 202) and got["peak_step"] == 202
+    assert got["recovered_step"] is not None and 203 <= got["recovered_step"] <= 206
+
+
+def test_a_divergence_stays_above_its_baseline_to_the_end() -> None:
+    rng = random.Random(2)
+    values = _training_loss(rng, 120) + [2.3 * 1.3**k for k in range(1, 40)]
+    got = episode(_curve(values).curve(), "loss")
+    assert got is not None and got["kind"] == "divergence" and got["recovered_step"] is None
+    assert 120 <= got["start_step"] <= 123
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_healthy_curves_have_no_episode(seed: int) -> None:
+    rng = random.Random(seed)
+    assert trends({"loss": _curve(_training_loss(rng, 400))}, None) == []
+    norms = [abs(rng.gauss(1.0, 0.3)) + 0.05 for _ in range(400)]
+    assert trends({"grad_norm": _curve(norms)}, None) == []
+
+
+def test_a_grad_norm_explosion_is_a_spike_of_its_own() -> None:
+    norms = [0.24, 0.95, 0.3, 0.28, 0.25, 0.27, 0.31, 0.29, 15.9, 145.0, 960.0, 0.3, 0.26]
+    (got,) = trends({"grad_norm": _curve(norms, 100)}, None)
+    assert got["rule"] == "grad-norm-spike" and got["start_step"] == 108 and got["recovered_step"] == 111
+
+
+def test_the_loss_scale_collapses_below_one_not_while_it_settles() -> None:
+    assert trends({}, 2.0**20) == []  # halvings from 2^32 that settled: healthy
+    (got,) = trends({}, 3.7e-09)
+    assert got["rule"] == "loss-scale-collapse" and got["kind"] == "collapse"
+
+
+def test_the_curve_keeps_the_largest_value_per_step_whatever_the_order() -> None:
+    a, b = StepMax(), StepMax()
+    points = [(s, float(r)) for s in range(2000) for r in range(3)]
+    for s, v in points:
+        a.add(s, v)
+    for s, v in reversed(points):
+        b.add(s, v)
+    assert a.curve() == b.curve() and len(a.curve()) <= 1024
+    assert all(v == 2.0 for _, v in a.curve())
