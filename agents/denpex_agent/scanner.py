@@ -46,8 +46,10 @@ RANK_MAP_WINDOW = 1024  # bytes before `global_ranks=[...]` to look for its `loc
 NEIGHBOUR_LINES = 20  # lines before an unprefixed record that may lend it their rank
 HEAD_BYTES = 64 * 1024  # `[rankN]` tags in a file's first bytes tell whose file it is
 DOMINANT_SHARE = 0.9
-DENSE_SAMPLES = 32  # a file's first step lines are all samples (a short job has few) ...
-STRIDE = 1 << 20  # ... then the first one of each MiB of the file
+# a file's first step lines are all samples (a short job has few; the trends and the slow-rank
+# test need a history) ...
+DENSE_SAMPLES = 256
+STRIDE = 1 << 18  # ... then the first one of each 256 KiB of the file
 
 # How far `_process` may go when a record's end has not arrived: MORE (more bytes will come),
 # IDLE (the file went quiet: close records whose last line was read), FINAL (close everything).

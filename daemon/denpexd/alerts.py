@@ -185,11 +185,15 @@ class Alerter:
         self._timers: dict[str, asyncio.Task[None]] = {}
         self._timer_due: dict[str, float] = {}  # when each armed timer fires (monotonic)
         self._queue: asyncio.Queue[list[dict[str, Any]]] = asyncio.Queue(QUEUE_MAX)
+        self._episodes: dict[str, int] = {}  # incidents of an open job already resolved
 
     def restore(self, job: str, incidents: list[tuple[str, float, float | None, dict[str, Any]]]) -> None:
         for key, fired_at, resolved_at, alert in incidents:
             if resolved_at is None:
                 self.active[job] = Incident(key, alert, fired_at, last_sent=self._clock())
+        resolved = sum(1 for _, _, resolved_at, _ in incidents if resolved_at is not None)
+        if resolved:
+            self._episodes[job] = resolved
 
     async def on_diagnosis(self, job: str, doc: dict[str, Any]) -> None:
         now = self._clock()
@@ -238,8 +242,10 @@ class Alerter:
             return
         self._held.pop(job, None)
         alert = build_alert(job, doc, now, self.generator)
-        self.active[job] = Incident(INCIDENT, alert, now, now)
-        await self.store.record_incident(job, INCIDENT, now, alert)
+        n = self._episodes.get(job, 0)
+        key = f"{INCIDENT}-{n + 1}" if n else INCIDENT
+        self.active[job] = Incident(key, alert, now, now)
+        await self.store.record_incident(job, key, now, alert)
         log.info("incident fired job=%s node=%s rank=%s rule=%s", job, alert["labels"]["node"],
                  alert["labels"]["rank"], alert["labels"]["rule"])  # fmt: skip
         self._enqueue([alert])
@@ -257,7 +263,16 @@ class Alerter:
         if doc is not None and job not in self.active:
             await self.on_diagnosis(job, doc)
 
+    async def resolve(self, job: str) -> None:
+        """End the job's incident while the job goes on (a stall whose steps moved on again); a
+        later failure of the job is a new incident (its own key in the store)."""
+        had = job in self.active or job in self._held
+        await self.on_close(job)
+        if had:
+            self._episodes[job] = self._episodes.get(job, 0) + 1
+
     async def on_close(self, job: str) -> None:
+        self._episodes.pop(job, None)
         self._failing_since.pop(job, None)
         self._held.pop(job, None)
         timer = self._timers.pop(job, None)

@@ -52,6 +52,12 @@ class ServeConfig:
     # that say they are catching up on a backlog (alert_catchup_hold_s); 0 turns a wait off
     alert_settle_s: float = 0.5
     alert_catchup_hold_s: float = 10.0
+    # the stall watch (denpexd.stall): a job none of whose ranks advanced for
+    # max(stall_floor_s, stall_factor x its step interval), or stall_pause_s in an announced
+    # pause (evaluation, checkpoint), is reported as a hang; stall_floor_s = 0 turns it off
+    stall_factor: float = 10.0
+    stall_floor_s: float = 30.0
+    stall_pause_s: float = 1800.0
     api_token: str | None = None
     # the embedded broker's one secret, from which every agent's and reader's broker password is
     # derived (`denpexd credential`); without it, the embedded broker is for loopback only
@@ -203,6 +209,9 @@ def _validate(cfg: ServeConfig) -> ServeConfig:
     ):  # fmt: skip
         if getattr(cfg, key) <= 0:
             raise ConfigError(key, "must be > 0")
+    for key in ("stall_factor", "stall_floor_s", "stall_pause_s"):
+        if not 0 <= getattr(cfg, key) <= 86_400:
+            raise ConfigError(key, "must be between 0 and 86400")
     for key in ("alert_settle_s", "alert_catchup_hold_s"):
         if not 0 <= getattr(cfg, key) <= 600:
             raise ConfigError(key, "must be between 0 and 600 seconds")

@@ -162,6 +162,16 @@ class Engine:
             self._trend_cache = (key, trends(self.curves, self.min_scale))
         return [dict(t) for t in self._trend_cache[1]]
 
+    def _finished(self, tracks: dict[tuple[str, int | None], RankTrack]) -> bool | None:
+        """Whether a rank logged the end of training (None: no rank logged a step)."""
+        if not tracks:
+            return None
+        for ev in self.markers.values():
+            rule = self.rules.get(ev.rule or "")
+            if rule is not None and rule.marker == "end":
+                return True
+        return False
+
     def _marker(self, ev: Event) -> None:
         """Keep each rank's newest marker (pause or end of training): markers never take part in
         the failure analysis; the stall check reads them."""
@@ -354,6 +364,7 @@ class Engine:
             "chain": chain(shown[0], aggs, aligned, self.progress) if shown else None,
             "stragglers": slow,
             "trends": trend,
+            "finished": self._finished(tracks),
             "loss_scale_drops": drops,
             "loss_scale_min": self.min_scale,
             "ranks": rank_table(tracks, aligned, self.rank_events),

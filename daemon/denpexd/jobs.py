@@ -31,17 +31,20 @@ from denpex_agent.events import Event
 from denpex_agent.rules import RuleSet
 from denpex_agent.timestamps import parse_iso
 from denpexd.alerts import Alerter
+from denpexd.analysis.evidence import root_cause
 from denpexd.config import ServeConfig
 from denpexd.engine import Engine
 from denpexd.errors import StoreError
 from denpexd.ingest import Ack
 from denpexd.metrics import Metrics
+from denpexd.stall import STALL_RULE, StallWatch, overlay
 from denpexd.store import EventRow, EventWriter, Store, event_row, progress_batch_row
 from denpexd.turns import Turns
 
 log = logging.getLogger(__name__)
 
 MAX_AGENT_JOBS = 100_000  # jobs whose agents' statuses are remembered
+STALL_CHECK_S = 0.5  # how often the stall watch looks at the open jobs
 # how long a new incident's alert waits for an agent that died to come back (a supervisor
 # restarts it within seconds: systemd's RestartSec=2s, then its own start)
 LOST_AGENT_WAIT_S = 5.0
@@ -81,6 +84,11 @@ def diagnosis_payload(doc: dict[str, Any], limit: int = MAX_DIAGNOSIS_BYTES) -> 
     return data
 
 
+def _stalled(doc: dict[str, Any]) -> bool:
+    """Whether the diagnosis says "failed" because of a live stall alone."""
+    return doc.get("stall") is not None and (doc.get("root_cause") or {}).get("rule") == STALL_RULE
+
+
 class Bus(Protocol):
     async def publish(self, topic: str, payload: bytes, *, retain: bool = False) -> None: ...
 
@@ -108,6 +116,8 @@ class JobState:
     hoisted: set[str] = field(default_factory=set)  # ids of match events fed ahead of their batch
     broken: dict[str, Any] | None = None  # the first fault inside this job (stage, error, at)
     marks: dict[str, AgentMark] = field(default_factory=dict)  # agent -> its latest batch's arrival
+    watch: StallWatch | None = None  # its progress as time passes (made on its first step line)
+    stalled: bool = False  # its last diagnosis holds a stall the engine did not explain
 
 
 @dataclass(slots=True)
@@ -304,6 +314,8 @@ class JobTable:
         alert_catchup_hold_s after the job first looked failed. A failure every rank shares so far
         (no single rank) is held that long too. Agents never heard from cannot be waited for."""
         state = self.jobs.get(job)
+        if _stalled(doc):
+            return 0.0  # the stall threshold was the wait: the silence is the evidence
         ini = doc.get("initiator")
         job_wide = not ini and doc.get("scope") == "job" and bool(doc.get("candidates"))
         if job_wide:
@@ -486,6 +498,12 @@ class JobTable:
             accepted.append(ev)
             if ev.ts is not None and (newest is None or ev.ts > newest):
                 newest = ev.ts
+            if ev.kind == "progress":
+                self._watch(state).progress(ev, received)
+            elif ev.role == "marker" and ev.rule is not None:
+                rule = self.rules.get(ev.rule)
+                if rule is not None and rule.marker is not None:
+                    self._watch(state).marker(ev, rule.marker, received)
             if ev.kind == "match" and ev.rule is not None:
                 key = (ev.node, ev.rank, ev.rule)
                 if key not in state.arrivals:
@@ -518,6 +536,7 @@ class JobTable:
         """`_process` for a batch of progress events alone (the bulk of the traffic): the same
         outcome, without the per-event branching on kinds and rules."""
         seen, add, limit = state.seen, state.engine.add_progress, self.cfg.dedup_ids_per_job
+        pace, received = self._watch(state).progress, self._mono()
         accepted: list[Event] = []
         newest: float | None = None
         for ev in batch.events:
@@ -528,6 +547,7 @@ class JobTable:
             if len(seen) > limit:
                 seen.popitem(last=False)
             add(ev)
+            pace(ev, received)
             accepted.append(ev)
             ts = ev.ts
             if ts is not None and (newest is None or ts > newest):
@@ -548,6 +568,40 @@ class JobTable:
         if newest is not None:
             self.metrics.ingest_lag.observe(max(0.0, wall - newest))
         await self.writer.add(rows, state.job, state.first_seen, wall, ack)
+
+    def _watch(self, state: JobState) -> StallWatch:
+        if state.watch is None:
+            cfg = self.cfg
+            state.watch = StallWatch(
+                factor=cfg.stall_factor, floor_s=cfg.stall_floor_s, pause_s=cfg.stall_pause_s
+            )
+        return state.watch
+
+    def _stall(self, state: JobState) -> dict[str, Any] | None:
+        """The job's stall now (see denpexd.stall), or None: also None while the watch is off or
+        every agent of the job has said goodbye (the job ended, its files are no longer followed)."""
+        if state.watch is None or self.cfg.stall_floor_s <= 0:
+            return None
+        statuses = self.agents.get(state.job)
+        if statuses and all(a["state"] == "offline" for a in statuses.values()):
+            return None
+        return state.watch.check(self._mono(), self._wall())
+
+    async def run_stall_watch(self) -> None:
+        """Look at every open job's progress twice a second; a job that turns stalled, or whose
+        stall ended, is diagnosed at once (its alert fires or resolves)."""
+        while True:
+            await asyncio.sleep(STALL_CHECK_S)
+            for state in list(self.jobs.values()):
+                if state.watch is None or self.jobs.get(state.job) is not state:
+                    continue
+                try:
+                    turned = (self._stall(state) is not None) != state.stalled
+                except Exception as exc:  # this job's problem; the watch goes on with the others
+                    self._fault(state, "stall", exc)
+                    continue
+                if turned:
+                    await self.diagnose(state)
 
     def _mark_dirty(self, state: JobState, *, progress_only: bool = False) -> None:
         wake = False
@@ -615,6 +669,9 @@ class JobTable:
     async def _diagnose(self, state: JobState) -> dict[str, Any]:
         t0 = time.perf_counter()
         doc = state.engine.diagnose()
+        stall = self._stall(state)
+        overlay(doc, stall, root_cause(self.rules, STALL_RULE, "hang"))
+        was_stalled, state.stalled = state.stalled, stall is not None and _stalled(doc)
         state.diagnosis_cost = time.perf_counter() - t0
         state.last_diagnosis_at = self._mono()
         self.metrics.diagnoses.inc()
@@ -628,6 +685,8 @@ class JobTable:
         if self.bus is not None:
             await self.bus.publish(wire.diagnosis_topic(state.job), diagnosis_payload(doc), retain=True)
         # the alert first: storing the diagnosis may wait behind a commit of events
+        if was_stalled and not state.stalled and doc["verdict"] != "failed":
+            await self.alerter.resolve(state.job)  # the steps moved on: the stall is over
         await self.alerter.on_diagnosis(state.job, doc)
         await self.store.save_diagnosis(state.job, doc)
         return doc
@@ -648,6 +707,18 @@ class JobTable:
                 arrived = state.arrivals.get((ini["node"], ini["rank"], ini.get("rule")))
                 if arrived is not None:
                     m.warning_to_diagnosis.observe(self._mono() - arrived)
+        stall = doc.get("stall")
+        m.job_stalled_seconds.labels(job).set(stall["silent_s"] if stall else 0.0)
+        slow = {
+            (s["node"], str(s["rank"])): s["ratio"]
+            for s in doc.get("stragglers", [])
+            if s.get("metric") == "step_time"
+        }
+        for gone in set(state.labels.get("slow", ())) - slow.keys():
+            m.rank_slowness.remove(job, *gone)
+        for (node, rank), ratio in slow.items():
+            m.rank_slowness.labels(job, node, rank).set(ratio)
+        state.labels["slow"] = set(slow)
         nan = doc["fingerprints"]["nan"]
         per_rank = list(nan.get("per_rank", {}).values())
         for s in ("none", "info", "warn", "error"):

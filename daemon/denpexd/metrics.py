@@ -137,6 +137,18 @@ class Metrics:
             "denpex_nan_fingerprint_ranks", "Ranks of the job at each NaN fingerprint stage", ["job", "stage"],
             registry=r,
         )  # fmt: skip
+        self.job_stalled_seconds = Gauge(
+            "denpex_job_stalled_seconds",
+            "How long no rank of an open job has advanced, while the stall watch holds it stalled (0 otherwise)",
+            ["job"],
+            registry=r,
+        )
+        self.rank_slowness = Gauge(
+            "denpex_rank_slowness_ratio",
+            "A slow rank's own step time over its peers' median (only ranks found slow, see stragglers)",
+            ["job", "node", "rank"],
+            registry=r,
+        )
         self.nan_first_rank = Gauge(
             "denpex_nan_fingerprint_first_rank",
             "The rank that left the info stage first (its number); absent until one did",
@@ -212,6 +224,9 @@ class Metrics:
             _remove(self.nan_ranks, job, stage)
             _remove(self.nan_events, job, stage)
         _remove(self.nan_first_rank, job)
+        _remove(self.job_stalled_seconds, job)
+        for node, rank in labels.get("slow", ()):
+            _remove(self.rank_slowness, job, node, rank)
         _remove(self.collateral_suppressed, job)
         for node in labels.get("nodes", ()):
             _remove(self.clock_offset, node)

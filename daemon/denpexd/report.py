@@ -55,13 +55,59 @@ def _chain(chain: dict[str, Any] | None) -> list[str]:
     return out
 
 
+def _stall_line(stall: dict[str, Any]) -> str:
+    since = stall.get("since") or "unknown time"
+    pause = f", in an announced pause ({stall['pause'].strip()[:60]})" if stall.get("pause") else ""
+    return (
+        f"STALLED  no rank advanced past step {stall['last_step']} for {stall['silent_s']:.0f} s (since {since}; "
+        f"threshold {stall['threshold_s']:.1f} s{pause}), and no process reported an error"
+    )
+
+
+def _trends(trends: list[dict[str, Any]]) -> list[str]:
+    if not trends:
+        return []
+    out = ["", "TRENDS  (judged against the job's own history)"]
+    for t in trends:
+        if t["kind"] == "collapse":
+            out.append(
+                f"  loss scale collapsed to {t['value']:.3g} (below 1: the loss is scaled down and still overflows)"
+            )
+            continue
+        end = (
+            f"recovered at step {t['recovered_step']}"
+            if t.get("recovered_step") is not None
+            else f"still {t['last_value']:.4g} at the end"
+        )
+        out.append(
+            f"  {t['metric']} {t['kind']} from step {t['start_step']} (detected at {t['detected_step']}): "
+            f"{t['value']:.4g} vs a recent median of {t['baseline']:.4g}, peak {t['peak']:.4g} at step "
+            f"{t['peak_step']}; {end}"
+        )
+    return out
+
+
+def _straggler(s: dict[str, Any]) -> str:
+    if s.get("metric") == "step_time":
+        since = f" since step {s['since_step']}" if s.get("since_step") is not None else ""
+        return (
+            f"  {_who(s)}  own step time {s['ratio']:.3f}x its peers' median ({s['median_s']:.4f}s vs "
+            f"{s['typical_s']:.4f}s){since}, confidence {s['confidence']:.4f} over {s['samples']} samples"
+        )
+    return f"  {_who(s)}  data_time {s['data_time_s']:.3f}s vs typical {s['typical_s']:.3f}s"
+
+
 def render_text(d: dict[str, Any]) -> str:
     out: list[str] = []
     verdict = d["verdict"].upper()
     out.append(f"job {d['job']}: {verdict}")
     ini = d.get("initiator")
     rc = d.get("root_cause") or {}
-    if ini:
+    if ini and ini.get("kind") == "stall":
+        out.append("")
+        out.append(_stall_line(d["stall"]))
+        out.append(f"  suspect    {_who(ini)}: {ini['text'][:200]}  (confidence {ini['confidence']:.0%})")
+    elif ini:
         conf = ini.get("confidence", 1.0)
         out.append("")
         out.append(
@@ -74,7 +120,7 @@ def render_text(d: dict[str, Any]) -> str:
         if first_text:
             out.append(f"  line       {first_text[-1][:200]}")
         out.extend(_chain(d.get("chain")))
-    elif d["verdict"] == "failed" and d.get("scope") == "job":
+    elif d["verdict"] == "failed" and d.get("scope") == "job" and not d.get("stall"):
         shared = [c for c in d.get("candidates", []) if c.get("rule") == rc.get("rule")]
         ranks = sorted({c["rank"] for c in shared if c.get("rank") is not None})
         out.append("")
@@ -89,6 +135,9 @@ def render_text(d: dict[str, Any]) -> str:
                 f"NO SINGLE RANK  every rank only waited alike ({rc.get('rule')}): no rank stopped earlier, "
                 "stayed silent or was named, so none is a suspect"
             )
+    elif d["verdict"] == "failed" and d.get("stall"):
+        out.append("")
+        out.append(_stall_line(d["stall"]))
     elif d["verdict"] == "failed":
         out.append("")
         out.append("FIRST FAILURE  could not be attributed to a rank (see collateral below)")
@@ -104,12 +153,26 @@ def render_text(d: dict[str, Any]) -> str:
         out.append("OTHER CANDIDATES (too close to call by clock)")
         for c in others[:5]:
             out.append(f"  {_who(c)}  {c['rule']}  at {c.get('time')}  confidence {c['confidence']:.0%}")
+    stall = d.get("stall")
+    if stall and stall.get("last_steps"):
+        out.append("")
+        out.append(f"LAST STEPS  ({stall['ranks']} rank(s), the ones behind first)")
+        for r in stall["last_steps"][:8]:
+            out.append(f"  {_who(r)}  step {r['step']:<8} {r['text'].strip()[:120]}")
+    out.extend(_trends(d.get("trends") or []))
     stragglers = d.get("stragglers") or []
     if stragglers:
         out.append("")
         out.append("STRAGGLERS")
         for s in stragglers:
-            out.append(f"  {_who(s)}  data_time {s['data_time_s']:.3f}s vs typical {s['typical_s']:.3f}s")
+            out.append(_straggler(s))
+    if d["verdict"] == "healthy" and d.get("finished") is False:
+        out.append("")
+        out.append(
+            "NOT FINISHED  no rank logged the end of training and nothing failed: the logs stop at step "
+            f"{max((r.get('last_step') or 0) for r in d.get('ranks') or [{}])} (a job still running, a silent "
+            "stall, or logs cut short; `denpexd serve` reports a stall while it happens)"
+        )
     coll = d.get("collateral") or []
     if coll:
         ranks = d.get("collateral_ranks", [])

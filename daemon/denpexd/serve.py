@@ -184,6 +184,7 @@ class App:
                     tg.create_task(table.writer.run(), name="store-writer"),
                     tg.create_task(table.run_diagnoser(), name="diagnoser"),
                     tg.create_task(table.run_closer(), name="job-closer"),
+                    tg.create_task(table.run_stall_watch(), name="stall-watch"),
                     tg.create_task(alerter.run(), name="alerter"),
                     tg.create_task(self._retention(store), name="retention"),
                 ]

@@ -6,7 +6,9 @@ The loss and gradient-norm curves are the job's (the largest value any rank logg
 anomalous when it stands above the median of the `WINDOW` points before it both by a robust
 z-score (the median absolute deviation, floored at `REL_FLOOR` of the median so that a flat
 history does not turn every wiggle into infinity) and by a ratio (`RATIO`: a loss 1.5 times its
-recent median, a gradient norm 10 times). The first anomalous point starts the episode. When the
+recent median, a gradient norm 10 times). The first anomalous point is the detection; the episode
+starts at the first point of the unbroken climb before it (each point above the baseline by
+`ONSET_Z` spreads), so a loss that crept up before it shot up is dated from the creep. When the
 curve's last `TAIL` points are still anomalous against the baseline before the start, the value
 diverged; otherwise it spiked and recovered at the first point back below the ratio.
 
@@ -29,6 +31,7 @@ Z = 8.0  # robust z-score of an anomalous point
 RATIO = {"loss": 1.5, "grad_norm": 10.0}  # ... and how many times its baseline it must be
 REL_FLOOR = 0.01  # the deviation's floor, as a fraction of the baseline's magnitude
 TAIL = 3  # the last points that decide "still diverging"
+ONSET_Z = 2.0  # the climb began at the first of the points before the detection above this
 MIN_SCALE = 1.0  # a loss scale below this has collapsed
 
 DIVERGENCE_RULE = "loss-divergence"
@@ -57,6 +60,9 @@ def episode(curve: list[tuple[int, float]], metric: str) -> dict[str, Any] | Non
         if not _anomalous(values[i], med, spread, ratio):
             continue
         step, value = curve[i]
+        onset = i
+        while onset > 0 and values[onset - 1] > med + ONSET_Z * spread:
+            onset -= 1
         after = curve[i + 1 :]
         tail = [v for _, v in curve[-TAIL:]] if len(after) >= TAIL else []
         diverged = bool(tail) and all(_anomalous(v, med, spread, ratio) for v in tail)
@@ -65,7 +71,8 @@ def episode(curve: list[tuple[int, float]], metric: str) -> dict[str, Any] | Non
         return {
             "metric": metric,
             "kind": "divergence" if diverged and metric == "loss" else "spike",
-            "start_step": step,
+            "start_step": curve[onset][0],
+            "detected_step": step,
             "value": _round(value),
             "baseline": _round(med),
             "ratio": _round(value / med) if med > 0 else None,
