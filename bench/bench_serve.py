@@ -17,10 +17,15 @@ cause) followed by collateral on every other rank. Latency = from publishing the
 to receiving (a) the retained diagnosis naming that rank and (b) the MQTT alert. Each trial
 starts once the daemon has ingested everything published before it (`--back-to-back`: as soon
 as the previous trial's alert arrived, which offers more than the daemon absorbs once alerts
-are fast). Prints a JSON summary.
+are fast). Phase 3 (stall): STALL_TRIALS fresh jobs of 4,096 ranks each log 5 steps (step lines
+0.5 s apart by their timestamps) and then nothing: the daemon runs with `stall_floor_s` =
+--stall-floor and `stall_factor` 2, so the threshold is the floor; latency = from publishing
+the last step to receiving the stall's MQTT alert, minus nothing (the threshold is part of it and
+reported next to it). Prints a JSON summary.
 
     python bench/bench_serve.py [--nodes 512] [--ranks-per-node 8] [--steps 60] [--trials 10]
-        [--back-to-back] [--broker mqtt://127.0.0.1:1883] [--mosquitto PATH] [--profile OUT.pstats]
+        [--back-to-back] [--stall-trials 5] [--stall-floor 2] [--broker mqtt://127.0.0.1:1883]
+        [--mosquitto PATH] [--profile OUT.pstats]
 """
 
 from __future__ import annotations
@@ -216,10 +221,12 @@ async def run_with(args: argparse.Namespace, broker: tuple[str, int]) -> dict[st
     client_id = f"denpexd-bench-{uuid.uuid4().hex[:8]}"
     url = f"http://127.0.0.1:{http}"
     prof = ("-m", "cProfile", "-o", args.profile) if args.profile else ()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DENPEX_")}
+    env.update(DENPEX_STALL_FLOOR_S=str(args.stall_floor), DENPEX_STALL_FACTOR="2")
     proc = await asyncio.create_subprocess_exec(
         sys.executable, *prof, "-m", "denpexd", "serve", "--broker", f"mqtt://{broker[0]}:{broker[1]}",
         "--client-id", client_id,
-        "--http-listen", f"127.0.0.1:{http}", "--data-dir", data, "--log-level", "warning",
+        "--http-listen", f"127.0.0.1:{http}", "--data-dir", data, "--log-level", "warning", env=env,
     )  # fmt: skip
     for _ in range(200):
         with contextlib.suppress(OSError):
@@ -322,6 +329,7 @@ async def run_with(args: argparse.Namespace, broker: tuple[str, int]) -> dict[st
                 "alert_mean": round(statistics.mean(alert_lat) * 1000, 1),
                 "alert_each": [round(x * 1000) for x in alert_lat],
             }  # fmt: skip
+            out["stall"] = await stall_phase(args, fleet, broker, client_id, url, base, sent)
             out["rss_mb_end"] = round(_rss_mb(proc.pid))
             out["diagnosis_duration_s_sum"] = _metric(url, "denpex_diagnosis_duration_seconds_sum")
             out["diagnosis_runs"] = _metric(url, "denpex_diagnosis_runs_total")
@@ -333,6 +341,43 @@ async def run_with(args: argparse.Namespace, broker: tuple[str, int]) -> dict[st
         ):
             pass
     return out
+
+
+async def stall_phase(
+    args: argparse.Namespace,
+    fleet: Fleet,
+    broker: tuple[str, int],
+    client_id: str,
+    url: str,
+    base: float,
+    sent: int,
+) -> dict[str, Any]:
+    """Phase 3: jobs whose every rank stops logging steps; from the last step published to the
+    stall's alert."""
+    lat = []
+    async with aiomqtt.Client(*broker, identifier=f"bench-stall-{client_id}") as sub:
+        await sub.subscribe("denpex/v1/alerts/+", qos=1)
+        for trial in range(args.stall_trials):
+            await _wait_ingested(url, base, sent)
+            job = f"stall-{trial}-{uuid.uuid4().hex[:6]}"
+            sent += await fleet.publish_steps(job, range(5), 1.8e9 + 100.0 * trial)
+            t_last = time.perf_counter()
+            async with asyncio.timeout(args.stall_floor + 30):
+                async for msg in sub.messages:
+                    if msg.topic.value.endswith(f"/{job}"):
+                        doc = orjson.loads(msg.payload) if isinstance(msg.payload, bytes) else {}
+                        assert doc["labels"]["rule"] == "job-progress-stalled", doc["labels"]
+                        lat.append(time.perf_counter() - t_last)
+                        break
+    xs = sorted(lat)
+    return {
+        "trials": len(xs),
+        "threshold_s": args.stall_floor,
+        "alert_after_last_step_s_p50": round(xs[len(xs) // 2], 3),
+        "alert_after_last_step_s_p99": round(xs[min(len(xs) - 1, int(0.99 * len(xs)))], 3),
+        "beyond_threshold_s_p99": round(xs[min(len(xs) - 1, int(0.99 * len(xs)))] - args.stall_floor, 3),
+        "each_s": [round(x, 3) for x in lat],
+    }
 
 
 def main() -> None:
@@ -349,6 +394,8 @@ def main() -> None:
         help="start each trial as soon as the previous alert arrived, not once the daemon ingested "
         "everything published so far (offers more than the daemon absorbs once alerts are fast)",
     )
+    p.add_argument("--stall-trials", type=int, default=5, help="phase 3: jobs that stop logging steps")
+    p.add_argument("--stall-floor", type=float, default=2.0, help="the daemon's stall_floor_s (the threshold)")
     p.add_argument("--profile", help="run the daemon under cProfile and write its stats here")
     p.add_argument(
         "--topic",
