@@ -220,13 +220,16 @@ class Engine:
         fields = ev.fields
         if "tip" in fields:
             return
+        curves = self.curves
         for name in JOB_SERIES:
             v = fields.get(name)
-            if isinstance(v, float) and math.isfinite(v):
-                curve = self.curves.get(name)
+            if v.__class__ is float and -math.inf < v < math.inf:  # finite (NaN compares False)
+                curve = curves.get(name)
                 if curve is None:
-                    curve = self.curves[name] = StepMax()
-                curve.add(step, v)
+                    curve = curves[name] = StepMax()
+                old = curve.by_step.get(step)
+                if old is None or v > old:  # most ranks log the value another rank logged already
+                    curve.add(step, v)
 
     def _node(self, node: str) -> NodeProgress:
         p = self.progress.get(node)

@@ -66,9 +66,9 @@ class StallWatch:
 
     def progress(self, ev: Event, now: float) -> None:
         step = ev.fields.get("step")
-        if not isinstance(step, int):
+        if step.__class__ is not int:
             return
-        key = self._key(ev)
+        key = (ev.node, ev.rank if ev.rank is not None else ev.file)
         pace = self.ranks.get(key)
         if pace is None:
             self.ranks[key] = Pace(step, now, ev.ts, ev)

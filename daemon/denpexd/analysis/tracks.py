@@ -248,10 +248,11 @@ class RankTrack:
         if self.rank is not None:
             self.vote(ev)
         fields = ev.fields
-        for name in SERIES:
-            v = fields.get(name)
-            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
-                self.series_of(name).add(step, float(v))
+        if "data_time" in fields or "step_time" in fields:
+            for name in SERIES:
+                v = fields.get(name)
+                if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+                    self.series_of(name).add(step, float(v))
         if ts is not None:
             self.progress.add(step, ts)
 
