@@ -395,7 +395,9 @@ def main() -> None:
         "everything published so far (offers more than the daemon absorbs once alerts are fast)",
     )
     p.add_argument("--stall-trials", type=int, default=5, help="phase 3: jobs that stop logging steps")
-    p.add_argument("--stall-floor", type=float, default=2.0, help="the daemon's stall_floor_s (the threshold)")
+    p.add_argument(
+        "--stall-floor", type=float, default=2.0, help="the daemon's stall_floor_s (the threshold)"
+    )
     p.add_argument("--profile", help="run the daemon under cProfile and write its stats here")
     p.add_argument(
         "--topic",
