@@ -10,8 +10,9 @@ nearest earlier one in its file, minus its node's clock offset from the diagnosi
 earliest is where the failed run first left the healthy path. It needs no rule: a message the
 library has never heard of is found as well as a known one.
 
-Lines without a rank (a launcher's) are compared only when the control has such lines too: a
-control recorded without its launcher's output says nothing about what a launcher logs.
+Lines without a rank (a launcher's) are compared only when the control has lines in files that
+belong to no rank (a launcher's log, ``torchrun.log``): a control recorded without its launcher's
+output says nothing about what a launcher logs.
 
 Memory is the control's template set (one 64-bit hash per template, at most `MAX_TEMPLATES`;
 more are counted, not kept, and said in a warning) and one line per stream of the failed run.
@@ -142,16 +143,14 @@ def read_control(sources: list[Source], nodes: Iterable[str]) -> Control:
     """The control's template set (see the module's description)."""
     control = Control()
     templater = Templater(nodes)
-    ranks = _Ranks(sources)
     for src in sources:
         control.files += 1
         for _line_no, raw in src.lines(control.warnings):
             control.lines += 1
-            rankless = src.rank is None and ranks.of(src, raw) is None
             tpl = templater(raw)
             if tpl is not None:
                 control.add(tpl)
-                control.launcher_lines += rankless
+                control.launcher_lines += src.rank is None and src.local_rank is None
     if control.not_kept:
         control.warnings.append(
             f"control: more than {MAX_TEMPLATES} distinct templates; {control.not_kept} were not kept "

@@ -12,6 +12,7 @@ timestamps, dates, times  ``2026-11-29 20:18:40,301``, ``2026-11-29_20:18:43``  
 IP addresses (and port)   ``127.0.0.1:29500``, ``[::1]:5``                      ``<ip>``
 paths                     ``/tmp/torchelastic_x/attempt_0``, ``torch/run.py``   ``<path>``
 the run's node names      ``host-a``, ``node2`` (as the files were attributed)  ``<node>``
+host and node values      ``host : gpu-a``, ``node=node1``                      ``host : <node>``
 run, job, rendezvous ids  ``run_id: my-run``                                    ``run_id: <id>``
 hexadecimal               ``0x7f3a``, ``d41d8cd98f00b204``                      ``<hex>``
 random letter-digit ids   ``y3zmje5l``                                          ``<id>``
@@ -26,7 +27,10 @@ which lines came before, so a line has the same template in the failed run and i
 whatever else either of them logged.
 
 Everything works on bytes with compiled patterns; only the start of a line is decoded, to find
-its prefix.
+its prefix. A digit's value never matters, only where digits are and whether one is a zero
+(``[host:0123]`` is a process id, ``[host:123]`` a rank): the template is made from the line's
+*shape*, the line with every other digit made a ``1``, and the shapes seen last are cached, so
+the step lines of a long run, which differ only in their numbers, are templated once.
 """
 
 from __future__ import annotations
@@ -37,14 +41,19 @@ from collections.abc import Iterable
 from denpex_agent.attribution import DEFAULT_NODE, strip_prefix
 
 PREFIX_HEAD = 512  # bytes of a line in which a launcher or rank prefix is looked for
+CACHE_ENTRIES = 16_384  # shapes whose templates are kept ...
+CACHE_LINE = 1024  # ... when they are this short (the cache stays under ~20 MB)
+
+_SHAPE = bytes.maketrans(b"23456789", b"11111111")
+_UNSEEN = b"\x00"
 
 _GLOG_TS = re.compile(
     rb"^[ \t]*\[?([IWEF])\d{4} \d\d:\d\d:\d\d(?:\.\d+)?(?: +\d+)?(?: +[^\s\]]+:\d+\])?[ \t]*"
 )
 _LEADING_TS = re.compile(
     rb"^[ \t]*\[?(?:"
-    rb"(?:19|20)\d\d-\d\d-\d\d[T _]\d\d:\d\d:\d\d(?:[.,]\d+)?(?:Z|[+-]\d\d:?\d\d)?"
-    rb"|(?:[A-Z][a-z]{2} )?[A-Z][a-z]{2} {1,2}\d{1,2} \d\d:\d\d:\d\d(?: (?:19|20)\d\d)?"
+    rb"\d{4}-\d\d-\d\d[T _]\d\d:\d\d:\d\d(?:[.,]\d+)?(?:Z|[+-]\d\d:?\d\d)?"
+    rb"|(?:[A-Z][a-z]{2} )?[A-Z][a-z]{2} {1,2}\d{1,2} \d\d:\d\d:\d\d(?: \d{4})?"
     rb"|\d+\.\d+(?=\])"
     rb")\]?[ \t]*(?:[-|][ \t]+)?"
 )
@@ -59,9 +68,9 @@ _BEFORE_NODES: tuple[tuple[re.Pattern[bytes], bytes], ...] = (
     (re.compile(rb"(?i)\b[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}\b"), b"<uuid>"),
     (
         re.compile(
-            rb"(?:19|20)\d\d-[01]\d-[0-3]\d(?:[T _][0-2]\d:[0-5]\d(?::[0-6]\d(?:[.,]\d+)?)?"
+            rb"\d{4}-\d\d-\d\d(?:[T _]\d\d:\d\d(?::\d\d(?:[.,]\d+)?)?"
             rb"(?:Z|[+-]\d\d:?\d\d)?)?"
-            rb"|(?<![\d:])\d{1,2}:[0-5]\d:[0-6]\d(?:[.,]\d+)?(?![\d:])"
+            rb"|(?<![\d:])\d{1,2}:\d\d:\d\d(?:[.,]\d+)?(?![\d:])"
         ),
         b"<ts>",
     ),
@@ -82,6 +91,10 @@ _BEFORE_NODES: tuple[tuple[re.Pattern[bytes], bytes], ...] = (
     ),
 )
 _AFTER_NODES: tuple[tuple[re.Pattern[bytes], bytes], ...] = (
+    (
+        re.compile(rb"(?i)\b(node_?name|host_?name|node|host)([\"']?[ \t]*[:=][ \t]*[\"']?)[^\s\"',;)}\]]+"),
+        rb"\1\2<node>",
+    ),
     (
         re.compile(
             rb"(?i)\b(run_?id|rdzv_?id|job_?id|run_?name)([\"']?[ \t]*[:=][ \t]*[\"']?)[^\s\"',;)}\]]+"
@@ -110,7 +123,7 @@ _AFTER_NODES: tuple[tuple[re.Pattern[bytes], bytes], ...] = (
     ),
     (re.compile(rb"(?:(?<![\w)\].])[-+])?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?"), b"<n>"),
     (re.compile(rb"<n>(?:[ \t]*,[ \t]*<n>)+"), b"<n>"),
-    (re.compile(rb"[ \t\r\v\f]+"), b" "),
+    (re.compile(rb"[ \t\r\v\f][ \t\r\v\f]+|[\t\r\v\f]"), b" "),
 )
 # A letter that is not part of a placeholder: a template without one is punctuation and numbers
 # (a rule of asterisks, an empty prefix, a bare counter) and says nothing.
@@ -150,15 +163,25 @@ class Templater:
 
     def __init__(self, nodes: Iterable[str] = ()) -> None:
         names = sorted({n for n in nodes if len(n) >= 3 and n != DEFAULT_NODE}, key=lambda n: (-len(n), n))
-        self._nodes = (
-            re.compile(rb"(?<![\w.-])(?:" + b"|".join(re.escape(n.encode()) for n in names) + rb")(?![\w-])")
-            if names
-            else None
-        )
+        shapes = [re.escape(n.encode().translate(_SHAPE)) for n in names]
+        self._nodes = re.compile(rb"(?<![\w.-])(?:" + b"|".join(shapes) + rb")(?![\w-])") if names else None
+        self._cache: dict[bytes, bytes | None] = {}
 
     def __call__(self, raw: bytes) -> bytes | None:
         """The template of one line (without its newline); None for a line with nothing to compare."""
-        level, text = split_head(raw)
+        shape = raw.translate(_SHAPE)
+        cached = self._cache.get(shape, _UNSEEN)
+        if cached is not _UNSEEN:
+            return cached
+        tpl = self._template(shape)
+        if len(shape) <= CACHE_LINE:
+            if len(self._cache) >= CACHE_ENTRIES:
+                self._cache.clear()
+            self._cache[shape] = tpl
+        return tpl
+
+    def _template(self, shape: bytes) -> bytes | None:
+        level, text = split_head(shape)
         for rx, repl in _BEFORE_NODES:
             text = rx.sub(repl, text)
         if self._nodes is not None:
