@@ -154,6 +154,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="URL",
         help="daemon URL or HOST:PORT (http:// assumed; default http://127.0.0.1:8080, env DENPEX_SERVER)",
     )
+    q.add_argument(
+        "--control",
+        metavar="HEALTHY_JOB",
+        help="with --job: add the job's first divergence from this healthy job, as `diagnose --control` "
+        "does, compared over the lines the daemon stored for both (their events and the context lines "
+        "before them, not every line of their logs)",
+    )
     q.add_argument("--api-token", metavar="TOKEN", help="bearer token (env DENPEX_API_TOKEN)")
     q.add_argument(
         "--timeout",

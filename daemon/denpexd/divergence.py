@@ -19,7 +19,9 @@ more are counted, not kept, and said in a warning) and one line per stream of th
 Lines are compared on their first `MAX_LINE` bytes.
 
 `denpexd diagnose --control` compares whole files; `denpexd query --control` the lines a running
-`serve` stored for two jobs (their events' lines and the context lines before them).
+`serve` stored for two jobs: their events' lines and the context lines before them, the latter
+only when the control job has context lines too (a healthy job's store may hold its progress
+samples alone, and then says nothing about the lines around a failure).
 """
 
 from __future__ import annotations
@@ -249,6 +251,61 @@ def divergence(
         "control": control.summary(),
         "warnings": warnings,
     }
+
+
+# Stored events as sources ----------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class _Stored:
+    lines: dict[int, str] = field(default_factory=dict)
+    ranks: set[int | None] = field(default_factory=set)
+    locals: set[int | None] = field(default_factory=set)
+    last_ts: float | None = None
+
+
+def has_context(events: Iterable[dict[str, Any]]) -> bool:
+    """Whether any of the events carries context lines (a job with matches; a healthy job's
+    store often holds progress samples only)."""
+    return any(ev.get("context") for ev in events)
+
+
+def event_sources(events: Iterable[dict[str, Any]], *, context: bool = True) -> list[Source]:
+    """The lines a running `serve` holds for a job, one source per (node, file): each event's
+    own lines (a folded record's numbered on from its first) and, with ``context``, the context
+    lines before them. A file whose events all name one rank has that rank."""
+    files: dict[tuple[str, str], _Stored] = {}
+    for ev in events:
+        line_no, text = ev.get("line_no"), ev.get("text")
+        if ev.get("kind") == "heartbeat" or not isinstance(line_no, int) or not isinstance(text, str):
+            continue
+        stored = files.setdefault((str(ev.get("node")), str(ev.get("file"))), _Stored())
+        before = [c for c in ev.get("context") or [] if isinstance(c, str)] if context else []
+        for n, line in enumerate([*before, *text.split("\n")], line_no - len(before)):
+            stored.lines.setdefault(n, line)
+        stored.ranks.add(_int(ev.get("rank")))
+        stored.locals.add(_int(ev.get("local_rank")))
+        ts = ev.get("ts")
+        if isinstance(ts, int | float) and (stored.last_ts is None or ts > stored.last_ts):
+            stored.last_ts = float(ts)
+    return [_stored_source(node, file, stored) for (node, file), stored in sorted(files.items())]
+
+
+def _int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _stored_source(node: str, file: str, stored: _Stored) -> Source:
+    lines = [(n, stored.lines[n].encode("utf-8", "surrogateescape")[:MAX_LINE]) for n in sorted(stored.lines)]
+    return Source(
+        node=node,
+        file=file,
+        rank=next(iter(stored.ranks)) if len(stored.ranks) == 1 else None,
+        local_rank=next(iter(stored.locals)) if len(stored.locals) == 1 else None,
+        year=time.gmtime(stored.last_ts).tm_year if stored.last_ts is not None else time.gmtime().tm_year,
+        ref_epoch=stored.last_ts,
+        lines=lambda _warnings: lines,
+    )
 
 
 # Log files as sources --------------------------------------------------------------------------
