@@ -155,8 +155,8 @@ def read_control(sources: list[Source], nodes: Iterable[str]) -> Control:
                 control.launcher_lines += src.rank is None and src.local_rank is None
     if control.not_kept:
         control.warnings.append(
-            f"control: more than {MAX_TEMPLATES} distinct templates; {control.not_kept} were not kept "
-            "(lines of the failed run with those templates count as new)"
+            f"control: more than {MAX_TEMPLATES} distinct templates; those of {control.not_kept} line(s) "
+            "were not kept (lines of the failed run with those templates count as new)"
         )
     return control
 

@@ -175,3 +175,11 @@ def test_the_report_shows_the_first_eight_ranks() -> None:
 @pytest.mark.parametrize("job", ["healthy", "slow_rank"])
 def test_runs_that_only_say_what_a_healthy_run_says(job: str) -> None:
     assert _compare(JOBS / job, JOBS / "healthy")["first"] is None
+
+
+def test_the_control_keeps_a_bounded_number_of_templates(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(divergence, "MAX_TEMPLATES", 2)
+    d = _compare(JOBS / "healthy", JOBS / "healthy")
+    assert d["control"]["templates"] == 2 and d["control"]["templates_not_kept"] > 0
+    assert any("more than 2 distinct templates" in w for w in d["warnings"])
+    assert d["first"] is not None  # what was not kept counts as new
