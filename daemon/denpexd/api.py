@@ -2,9 +2,10 @@
 
 An optional bearer token guards everything but `/-/healthy` and `/-/ready`. Job ids are checked
 with the wire protocol's rules before anything looks them up: a hostile id is a 400, an unknown
-one a 404. `/api/v1/jobs/<id>/events?rank=&kind=&limit=` lists a job's events in arrival order,
-optionally of one rank and/or one kind (`match`, `progress`, `heartbeat`); progress events stored
-as one row per batch are expanded. `/api/v1/dead-letters?limit=` lists the messages whose
+one a 404. `/api/v1/jobs/<id>/events?rank=&kind=&limit=&after=` lists a job's events in arrival
+order, optionally of one rank and/or one kind (`match`, `progress`, `heartbeat`), a page at a time:
+`next` is the `after` of the next page (`null` after the last); progress events stored as one row
+per batch are expanded. `/api/v1/dead-letters?limit=` lists the messages whose
 processing raised (kept, acknowledged, newest first). Reads go to the store's reader connection:
 a busy writer does not hold them back.
 """
@@ -15,9 +16,10 @@ import asyncio
 import contextlib
 import hmac
 import logging
+import re
 from collections.abc import Awaitable, Callable
 from types import TracebackType
-from typing import Any, Self
+from typing import Any, Literal, Self
 
 import orjson
 from aiohttp import web
@@ -49,6 +51,17 @@ def _json(data: Any, status: int = 200) -> web.Response:
 
 def _error(status: int, message: str) -> web.Response:
     return _json({"error": message}, status)
+
+
+_CURSOR = re.compile(r"(\d{1,18}):(\d{1,9})")
+
+
+def _cursor(text: str) -> tuple[int, int] | Literal[False] | None:
+    """An events page's ``after``: None when absent, False when it is not a cursor."""
+    if not text:
+        return None
+    m = _CURSOR.fullmatch(text)
+    return (int(m.group(1)), int(m.group(2))) if m else False
 
 
 class Api:
@@ -163,6 +176,9 @@ class Api:
             return _error(400, "rank and limit must be integers")
         if rank is not None and not -1 <= rank < 1 << 31:
             return _error(400, "rank must be between -1 and 2147483647")
+        after = _cursor(request.query.get("after") or "")
+        if after is False:
+            return _error(400, "after must be a cursor from a previous page's next")
         kind = request.query.get("kind") or None
         if kind is not None and kind not in KINDS:
             return _error(400, f"kind must be one of {', '.join(KINDS)}")
@@ -175,7 +191,8 @@ class Api:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(FLUSH_WAIT_S):
                     await writer.flush()
-        return _json({"job": job, "events": await self.store.events(job, rank, limit, kind)})
+        events, cursor = await self.store.events_page(job, rank, limit, kind, after)
+        return _json({"job": job, "events": events, "next": cursor})
 
     async def dead_letters(self, request: web.Request) -> web.Response:
         try:

@@ -87,6 +87,16 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument(
         "--progress", choices=("auto", "always", "never"), default="auto", help="progress bar on stderr"
     )
+    d.add_argument(
+        "--control",
+        action="append",
+        metavar="HEALTHY_PATH",
+        help="a healthy run of the same job (a directory or file; repeat for several): every line of "
+        "both runs is reduced to a template (numbers, ids, paths, times, hosts masked; rank prefixes "
+        "and leading timestamps removed), and for each rank the first line whose template the healthy "
+        "run never logged is reported, the earliest in aligned time first ('divergence' in the JSON, "
+        "FIRST DIVERGENCE FROM THE HEALTHY RUN in the report). Ranks, nodes and world size may differ",
+    )
 
     s = sub.add_parser(
         "serve",
@@ -143,6 +153,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--server",
         metavar="URL",
         help="daemon URL or HOST:PORT (http:// assumed; default http://127.0.0.1:8080, env DENPEX_SERVER)",
+    )
+    q.add_argument(
+        "--control",
+        metavar="HEALTHY_JOB",
+        help="with --job: add the job's first divergence from this healthy job, as `diagnose --control` "
+        "does, compared over the lines the daemon stored for both (their events and the context lines "
+        "before them, not every line of their logs)",
     )
     q.add_argument("--api-token", metavar="TOKEN", help="bearer token (env DENPEX_API_TOKEN)")
     q.add_argument(

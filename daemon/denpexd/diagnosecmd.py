@@ -14,12 +14,18 @@ import orjson
 from denpex_agent.attribution import Layout
 from denpex_agent.errors import LayoutError, RuleError
 from denpex_agent.matcher import Matcher
-from denpex_agent.reader import NoLogFiles, ReadReport, discover, read_files
+from denpex_agent.reader import LogFile, NoLogFiles, ReadReport, discover, read_files
 from denpex_agent.rules import RuleSet, load_rules
+from denpexd import divergence
 from denpexd.engine import Engine
+from denpexd.errors import DenpexdError
 from denpexd.report import render_text
 
 PROGRESS_MIN_BYTES = 64 << 20
+
+
+class ControlError(DenpexdError):
+    """The control run given with ``--control`` cannot be read (a usage error)."""
 
 
 def diagnose_paths(
@@ -31,10 +37,13 @@ def diagnose_paths(
     context_lines: int = 100,
     progress: TextIO | None = None,
     progress_min_bytes: int = PROGRESS_MIN_BYTES,
+    control: list[str] | None = None,
 ) -> dict[str, Any]:
-    """Read, match and correlate; return the diagnosis (docs/diagnosis-json.md) (plus `read` statistics)."""
+    """Read, match and correlate; return the diagnosis (docs/diagnosis-json.md) (plus `read` statistics,
+    and `divergence` from the ``control`` run's paths when given)."""
     rules = rules if rules is not None else load_rules()
     lay = Layout(layout) if layout else None
+    control_files = discover_control(control) if control else None
     report = ReadReport()
     files = discover(paths, lay, report)
     job_id = job or default_job_id(paths)
@@ -60,7 +69,32 @@ def diagnose_paths(
         "truncated_lines": report.truncated_lines,
         "warnings": report.warnings,
     }
+    if control_files is not None:
+        result["divergence"] = compare_with_control(files, control_files, result["clock"])
     return result
+
+
+def discover_control(paths: list[str]) -> list[LogFile]:
+    """The control run's log files, found as `diagnose` finds a job's (its node names come from the
+    built-in layouts). Raises `ControlError` when there are none."""
+    missing = [p for p in paths if not Path(p).exists()]
+    if missing:
+        raise ControlError(f"--control: no such file or directory: {', '.join(missing)}")
+    try:
+        return discover(paths, None, ReadReport())
+    except (NoLogFiles, LayoutError) as exc:
+        raise ControlError(f"--control: {exc}") from exc
+
+
+def compare_with_control(
+    files: list[LogFile], control_files: list[LogFile], clock: dict[str, Any]
+) -> dict[str, Any]:
+    """The diagnosis's `divergence`: the failed run's files against the control's."""
+    control = divergence.read_control(
+        divergence.file_sources(control_files), {lf.who.node for lf in control_files}
+    )
+    failed_nodes = {lf.who.node for lf in files}
+    return divergence.divergence(divergence.file_sources(files), failed_nodes, control, clock)
 
 
 def default_job_id(paths: list[str]) -> str:
@@ -121,8 +155,9 @@ def run(args: argparse.Namespace) -> int:
             context_lines=args.context_lines,
             progress=sys.stderr if show_bar else None,
             progress_min_bytes=0 if args.progress == "always" else PROGRESS_MIN_BYTES,
+            control=args.control,
         )
-    except (LayoutError, NoLogFiles) as exc:
+    except (LayoutError, NoLogFiles, ControlError) as exc:
         print(f"denpexd diagnose: {exc}", file=sys.stderr)
         return 2
     if args.format == "json":

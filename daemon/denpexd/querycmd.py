@@ -2,7 +2,9 @@
 
 `--job ID` prints the same report as `denpexd diagnose` (`report.render_text`), `--json` the
 diagnosis document (docs/diagnosis-json.md), `--jobs` the recent jobs with their verdicts and
-initiators. `--server` may omit the scheme (``host:8080`` means ``http://host:8080``); a daemon that
+initiators; with `--control HEALTHY_JOB`, the job's first divergence from that healthy job
+(`divergence.py`), compared over the lines the daemon stored for both jobs (their events and the
+context lines before them, not every line of their logs). `--server` may omit the scheme (``host:8080`` means ``http://host:8080``); a daemon that
 accepts the connection but does not answer within `--timeout` seconds is an error naming both.
 """
 
@@ -20,11 +22,13 @@ import orjson
 
 from denpex_agent import wire
 from denpex_agent.redact import Redactor, redact_url
+from denpexd import divergence
 from denpexd.errors import QueryError
 from denpexd.report import render_text
 
 DEFAULT_SERVER = "http://127.0.0.1:8080"
 DEFAULT_TIMEOUT_S = 10.0
+EVENTS_PAGE = 1000
 
 
 def server_url(value: str) -> str:
@@ -77,6 +81,41 @@ async def fetch(server: str, path: str, token: str | None, timeout_s: float = DE
         raise QueryError(f"{redact_url(url)}: the answer is not JSON") from exc
 
 
+async def fetch_events(server: str, job: str, token: str | None, timeout_s: float) -> list[dict[str, Any]]:
+    """Every event the daemon stored for ``job`` (heartbeats left out), page after page."""
+    out: list[dict[str, Any]] = []
+    after: str | None = None
+    while True:
+        path = f"/api/v1/jobs/{job}/events?limit={EVENTS_PAGE}" + (f"&after={after}" if after else "")
+        page = await fetch(server, path, token, timeout_s)
+        out.extend(e for e in page.get("events", []) if isinstance(e, dict) and e.get("kind") != "heartbeat")
+        after = page.get("next")
+        if not isinstance(after, str) or not after:
+            return out
+
+
+async def with_divergence(
+    server: str, job: str, control: str, token: str | None, timeout_s: float
+) -> dict[str, Any]:
+    """The job's diagnosis with its `divergence` from the healthy job ``control``."""
+    doc: dict[str, Any] = await fetch(server, f"/api/v1/jobs/{job}", token, timeout_s)
+    try:
+        healthy_events = await fetch_events(server, control, token, timeout_s)
+    except QueryError as exc:
+        raise QueryError(f"--control {control}: {exc}") from exc
+    healthy = divergence.event_sources(healthy_events)
+    context = divergence.has_context(healthy_events)
+    failed = divergence.event_sources(await fetch_events(server, job, token, timeout_s), context=context)
+    ctl = divergence.read_control(healthy, {s.node for s in healthy})
+    if not context:
+        ctl.warnings.append(
+            f"the daemon holds no context lines of {control}: only the events' own lines of {job} "
+            "(progress samples, matched lines) were compared"
+        )
+    doc["divergence"] = divergence.divergence(failed, {s.node for s in failed}, ctl, doc.get("clock") or {})
+    return doc
+
+
 def _message(body: bytes) -> str:
     try:
         doc = orjson.loads(body)
@@ -109,6 +148,13 @@ def run(args: argparse.Namespace, redact: Redactor | None = None) -> int:
     if args.job and not wire.valid_id(args.job):
         print(f"denpexd query: invalid job id {args.job!r}", file=sys.stderr)
         return 2
+    control = getattr(args, "control", None)
+    if control is not None and (args.jobs or not args.job):
+        print("denpexd query: --control goes with --job", file=sys.stderr)
+        return 2
+    if control is not None and not wire.valid_id(control):
+        print(f"denpexd query: invalid --control job id {control!r}", file=sys.stderr)
+        return 2
     if not timeout_s > 0:
         print("denpexd query: --timeout must be > 0", file=sys.stderr)
         return 2
@@ -125,7 +171,10 @@ def run(args: argparse.Namespace, redact: Redactor | None = None) -> int:
             else:
                 sys.stdout.write(render_jobs(doc["jobs"]))
             return 0
-        doc = asyncio.run(fetch(server, f"/api/v1/jobs/{args.job}", token, timeout_s))
+        if control is not None:
+            doc = asyncio.run(with_divergence(server, args.job, control, token, timeout_s))
+        else:
+            doc = asyncio.run(fetch(server, f"/api/v1/jobs/{args.job}", token, timeout_s))
     except QueryError as exc:
         print(redact(f"denpexd query: {exc}"), file=sys.stderr)
         return 1

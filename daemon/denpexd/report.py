@@ -6,6 +6,7 @@ import textwrap
 from typing import Any
 
 EVIDENCE_LINES = 12
+DIVERGENT_RANKS_SHOWN = 8
 
 
 def _who(d: dict[str, Any]) -> str:
@@ -95,6 +96,32 @@ def _straggler(s: dict[str, Any]) -> str:
             f"{s['typical_s']:.4f}s){since}, confidence {s['confidence']:.4f} over {s['samples']} samples"
         )
     return f"  {_who(s)}  data_time {s['data_time_s']:.3f}s vs typical {s['typical_s']:.3f}s"
+
+
+def _divergence(div: dict[str, Any] | None) -> list[str]:
+    """Where the run first logged what the healthy run never did, and each rank's first such line."""
+    if div is None:
+        return []
+    ctl = div.get("control") or {}
+    out = [
+        "",
+        f"FIRST DIVERGENCE FROM THE HEALTHY RUN  (control: {ctl.get('files', 0)} file(s), "
+        f"{ctl.get('lines', 0)} lines, {ctl.get('templates', 0)} templates)",
+    ]
+    first = div.get("first")
+    if first is None:
+        out.append("  none       every line's template occurs in the healthy run")
+        return out
+    out.append(f"  first      {_who(first)}  at {first.get('time') or 'unknown time'}")
+    out.append(f"  where      {first['file']}:{first['line']}")
+    out.append(f"  line       {first['text'][:200]}")
+    per_rank = div.get("per_rank") or []
+    out.append(f"  per rank   {len(per_rank)} stream(s), earliest first")
+    for e in per_rank[:DIVERGENT_RANKS_SHOWN]:
+        out.append(f"    {e.get('time') or 'unknown time':<24}  {_who(e):<20}  {e['text'][:100]}")
+    if len(per_rank) > DIVERGENT_RANKS_SHOWN:
+        out.append(f"    +{len(per_rank) - DIVERGENT_RANKS_SHOWN} more")
+    return out
 
 
 def render_text(d: dict[str, Any]) -> str:
@@ -197,6 +224,7 @@ def render_text(d: dict[str, Any]) -> str:
         out.append(
             f"NAN FINGERPRINT  stage {nan['stage']}, first on rank {nan.get('first_rank')}, ranks {nan.get('ranks')}"
         )
+    out.extend(_divergence(d.get("divergence")))
     clock = d.get("clock") or {}
     if clock:
         out.append("")

@@ -327,9 +327,14 @@ class Store:
                 out.append(Event(job=job, node=node, **orjson.loads(doc)))
         return out
 
-    def _events(self, job: str, rank: int | None, kind: str | None, limit: int) -> list[dict[str, Any]]:
+    def _events(
+        self, job: str, rank: int | None, kind: str | None, limit: int, after: tuple[int, int] | None
+    ) -> tuple[list[dict[str, Any]], str | None]:
         args: list[Any]
         where, args = "job = ?", [job]
+        if after is not None:
+            where += " AND seq >= ?"
+            args.append(after[0])
         if rank is not None:
             where += " AND (rank = ? OR (kind = ? AND rank <= ? AND rank_last >= ?))"
             args += [rank, BATCH, rank, rank]
@@ -340,20 +345,23 @@ class Store:
             where += " AND kind = ?"
             args.append(kind)
         out: list[dict[str, Any]] = []
-        for node, k, doc in self._reader().execute(
-            f"SELECT node, kind, doc FROM events WHERE {where} ORDER BY seq", args
+        for seq, node, k, doc in self._reader().execute(
+            f"SELECT seq, node, kind, doc FROM events WHERE {where} ORDER BY seq", args
         ):
             if k == BATCH:
-                for ev in _batch_events(job, doc):
-                    if rank is None or ev.rank == rank:
-                        out.append({"job": job, "node": ev.node, **event_to_wire(ev)})
-                        if len(out) >= limit:
-                            return out
+                rows = [
+                    {"job": job, "node": ev.node, **event_to_wire(ev)}
+                    for ev in _batch_events(job, doc)
+                    if rank is None or ev.rank == rank
+                ]
             else:
-                out.append({"job": job, "node": node, **orjson.loads(doc)})
+                rows = [{"job": job, "node": node, **orjson.loads(doc)}]
+            skip = after[1] if after is not None and seq == after[0] else 0
+            for i in range(skip, len(rows)):
+                out.append(rows[i])
                 if len(out) >= limit:
-                    return out
-        return out
+                    return out, f"{seq}:{i + 1}"
+        return out, None
 
     # -- coroutines -------------------------------------------------------------------------------
 
@@ -440,7 +448,19 @@ class Store:
     ) -> list[dict[str, Any]]:
         """A job's events in arrival order (progress batches expanded), optionally of one rank
         and/or one kind."""
-        return await self._read(self._events, job, rank, kind, limit)
+        return (await self.events_page(job, rank, limit, kind))[0]
+
+    async def events_page(
+        self,
+        job: str,
+        rank: int | None,
+        limit: int,
+        kind: str | None = None,
+        after: tuple[int, int] | None = None,
+    ) -> tuple[list[dict[str, Any]], str | None]:
+        """`events` a page at a time: from the cursor ``after`` (a row, and how many of its events
+        were given already), with the cursor of the next page, or None after the last."""
+        return await self._read(self._events, job, rank, kind, limit, after)
 
     async def apply_retention(self, closed_before: float) -> int:
         return await self._run(self._retention, closed_before)

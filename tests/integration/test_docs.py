@@ -57,9 +57,10 @@ def _field_names(node: Any, parent: str = "") -> set[str]:
 
 def test_every_diagnosis_field_is_documented() -> None:
     names: set[str] = set()
-    for job in JOBS:
+    with_control = ["tests/fixtures/jobs/hang", "--control", "tests/fixtures/jobs/slow_rank"]
+    for args in [[job] for job in JOBS] + [with_control]:
         run = subprocess.run(
-            [sys.executable, "-m", "denpexd", "diagnose", job, "--format", "json"],
+            [sys.executable, "-m", "denpexd", "diagnose", *args, "--format", "json"],
             capture_output=True, text=True, cwd=REPO, timeout=300, check=False,
         )  # fmt: skip
         assert run.returncode == 0, run.stderr

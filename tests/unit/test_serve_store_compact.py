@@ -53,8 +53,25 @@ def test_progress_batch_rows_restore_and_list(tmp_path: Path) -> None:
             assert [e["id"] for e in await st.events("j1", None, 100, "match")] == ["e8"]
             assert len(await st.events("j1", None, 100, "progress")) == 10
             assert [e["id"] for e in await st.events("j1", 5, 100, "progress")] == ["e9"]
+            for rank, size in ((None, 3), (None, 1), (2, 1), (None, 11)):
+                pages, after = [], None
+                while True:
+                    page, after = await st.events_page("j1", rank, size, after=_cursor(after))
+                    pages.append([e["id"] for e in page])
+                    if after is None:
+                        break
+                every = [e["id"] for e in await st.events("j1", rank, 100)]
+                assert [i for p in pages for i in p] == every
+                assert all(len(p) == size for p in pages[:-1])
 
     asyncio.run(run())
+
+
+def _cursor(text: str | None) -> tuple[int, int] | None:
+    if text is None:
+        return None
+    row, given = text.split(":")
+    return int(row), int(given)
 
 
 def test_version_1_database_is_migrated(tmp_path: Path) -> None:
