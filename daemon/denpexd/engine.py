@@ -44,7 +44,7 @@ from denpexd.analysis.tracks import (
     aligned_order,
     event_order,
 )
-from denpexd.analysis.trends import trends
+from denpexd.analysis.trends import scale_fall, step_at, trends
 from denpexd.clock import ClockEstimate, align
 
 TEE_PREFIX = "[default"  # torchrun --tee: "[default<local rank>]:" before each worker line
@@ -58,6 +58,7 @@ LOOKBACK_S = 300.0
 MAX_CANDIDATE_AGGREGATES = 16_384  # first events of causes and symptoms (rank, rule)
 MAX_OTHER_AGGREGATES = 32_768  # first events of collateral (rank, rule)
 MAX_TRACKS = 65_536  # ranks whose progress is followed
+MAX_SCALE_LEVELS = 256  # distinct loss scales remembered (halvings give a few dozen)
 KEPT_TEXT = 300  # chars of a collateral event's text kept in memory (its context is dropped)
 
 
@@ -86,6 +87,7 @@ class Engine:
         self.markers: dict[tuple[str, int | None], Event] = {}  # (node, rank) -> newest marker
         self.curves: dict[str, StepMax] = {}  # loss, grad norm: the largest value per step
         self.min_scale: float | None = None  # the smallest loss scale any line reported
+        self.scale_levels: dict[float, Event] = {}  # each loss scale reported -> its first line
         self._trend_cache: tuple[Any, list[dict[str, Any]]] | None = None
         self.events_seen = 0
         self.rank_events: dict[tuple[str, int | None], int] = {}  # rule events per (node, rank)
@@ -120,12 +122,8 @@ class Engine:
             self._marker(ev)
             return
         scale = ev.fields.get("scale")
-        if (
-            isinstance(scale, float)
-            and math.isfinite(scale)
-            and (self.min_scale is None or scale < self.min_scale)
-        ):
-            self.min_scale = scale
+        if isinstance(scale, float) and math.isfinite(scale):
+            self._scale(scale, ev)
         if ev.local_rank is not None and ev.text.startswith(TEE_PREFIX):
             rule += ECHO  # a launcher's echo of a worker's line: its own aggregate (see _unechoed)
         ev = _kept(ev)
@@ -162,6 +160,21 @@ class Engine:
             self._trend_cache = (key, trends(self.curves, self.min_scale))
         return [dict(t) for t in self._trend_cache[1]]
 
+    def _scale_levels(
+        self, aligned: Callable[[str, float | None], float | None]
+    ) -> list[tuple[float, int | None, float]]:
+        """Each distinct loss scale's first report: (aligned time, its node's step then, scale), in
+        time order (reports without a time are left out)."""
+        out = []
+        for scale, ev in self.scale_levels.items():
+            at = aligned(ev.node, ev.ts)
+            if at is None or ev.ts is None:
+                continue
+            progress = self.progress.get(ev.node)
+            out.append((at, step_at(progress.curve(), ev.ts) if progress is not None else None, scale))
+        out.sort(key=lambda x: (x[0], -x[2]))
+        return out
+
     def _finished(self, tracks: dict[tuple[str, int | None], RankTrack]) -> bool | None:
         """Whether a rank logged the end of training (None: no rank logged a step)."""
         if not tracks:
@@ -171,6 +184,18 @@ class Engine:
             if rule is not None and rule.marker == "end":
                 return True
         return False
+
+    def _scale(self, scale: float, ev: Event) -> None:
+        """Keep the smallest loss scale and, per distinct scale (a few dozen powers of two), the
+        line that first reported it."""
+        if self.min_scale is None or scale < self.min_scale:
+            self.min_scale = scale
+        old = self.scale_levels.get(scale)
+        if old is None:
+            if len(self.scale_levels) < MAX_SCALE_LEVELS:
+                self.scale_levels[scale] = _kept(ev)
+        elif event_order(ev) < event_order(old):
+            self.scale_levels[scale] = _kept(ev)
 
     def _marker(self, ev: Event) -> None:
         """Keep each rank's newest marker (pause or end of training): markers never take part in
@@ -321,6 +346,10 @@ class Engine:
         drops_of = scale_drops(aggs, rules)
         drops = sum(a.count for a in drops_of)
         trend = self._trends()
+        if not any(t["kind"] == "collapse" for t in trend):
+            fall = scale_fall(self._scale_levels(aligned))
+            if fall is not None:
+                trend.append(fall)
         # many drops are the scaler settling unless the scale's values say otherwise (collapse)
         drops_degrade = drops >= LOSS_SCALE_DROPS_DEGRADED and self.min_scale is None
         cause = shared or (initiator[0] if initiator else None)

@@ -70,6 +70,12 @@ def _trends(trends: list[dict[str, Any]]) -> list[str]:
         return []
     out = ["", "TRENDS  (judged against the job's own history)"]
     for t in trends:
+        if t["kind"] == "falling":
+            out.append(
+                f"  loss scale falling after it had settled at {t['baseline']:.6g}: new lows from step "
+                f"{t['start_step']} to {t['detected_step']}, down to {t['value']:.6g} (overflows keep coming)"
+            )
+            continue
         if t["kind"] == "collapse":
             out.append(
                 f"  loss scale collapsed to {t['value']:.3g} (below 1: the loss is scaled down and still overflows)"

@@ -9,7 +9,7 @@ import random
 import pytest
 
 from denpexd.analysis.tracks import StepMax
-from denpexd.analysis.trends import episode, trends
+from denpexd.analysis.trends import episode, scale_fall, step_at, trends
 
 
 def _curve(values: list[float], first: int = 0) -> StepMax:
@@ -72,3 +72,28 @@ def test_the_curve_keeps_the_largest_value_per_step_whatever_the_order() -> None
         b.add(s, v)
     assert a.curve() == b.curve() and len(a.curve()) <= 1024
     assert all(v == 2.0 for _, v in a.curve())
+
+
+def test_the_settling_descent_is_healthy_and_a_fall_after_it_is_not() -> None:
+    settle = [(float(i), i, 2.0 ** (32 - i)) for i in range(1, 8)]  # one halving per step from 2^32
+    assert scale_fall(settle) is None
+    # then it comes back to 2^25 and 2^26 now and then (no new low): still healthy
+    again = [*settle, (500.0, 900, 2.0**26), (900.0, 1600, 2.0**25)]
+    assert scale_fall(again) is None
+    # new lows at steps 3000, 3120 and 3300: a fall
+    fall = [*settle, (3000.0, 3000, 2.0**24), (3120.0, 3120, 2.0**23), (3300.0, 3300, 2.0**22)]
+    got = scale_fall(fall)
+    assert got is not None and got["kind"] == "falling" and got["baseline"] == 2.0**25
+    assert (got["start_step"], got["detected_step"], got["value"]) == (3000, 3300, 2.0**22)
+    # the same new lows spread over thousands of steps: a slow drift, not a fall
+    drift = [*settle, (3000.0, 3000, 2.0**24), (6000.0, 6000, 2.0**23), (9000.0, 9000, 2.0**22)]
+    assert scale_fall(drift) is None
+
+
+def test_without_steps_a_descent_cannot_be_judged() -> None:
+    assert scale_fall([(float(i), None, 2.0 ** (16 - i)) for i in range(10)]) is None
+
+
+def test_step_at_reads_the_node_curve() -> None:
+    curve = [(1, 10.0), (2, 11.0), (5, 14.0)]
+    assert (step_at(curve, 9.0), step_at(curve, 11.5), step_at(curve, 99.0)) == (None, 2, 5)

@@ -20,6 +20,7 @@ step is skipped or worthless (DeepSpeed stops at its minimum of 1 for this reaso
 
 from __future__ import annotations
 
+import bisect
 import statistics
 from typing import Any
 
@@ -103,3 +104,56 @@ def trends(curves: dict[str, StepMax], min_scale: float | None) -> list[dict[str
 
 def _round(v: float) -> float:
     return float(f"{v:.6g}")
+
+
+WARMUP_GAP_STEPS = 2  # the scaler settling halves on (nearly) consecutive steps
+FALL_LOWS = 3  # new lowest scales after the settling that make a fall ...
+FALL_WINDOW_STEPS = 500  # ... within this many steps
+FALL_RULE = "loss-scale-falling"
+
+
+def step_at(curve: list[tuple[int, float]], ts: float) -> int | None:
+    """The last step a node had logged by local time ``ts`` (its progress curve), or None."""
+    i = bisect.bisect_right([t for _, t in curve], ts)
+    return curve[i - 1][0] if i else None
+
+
+def scale_fall(levels: list[tuple[float, int | None, float]]) -> dict[str, Any] | None:
+    """Repeated loss-scale drops after the settling: ``levels`` are the distinct scales reported,
+    each with the aligned time and the step of its first report, in time order. The settling is
+    the initial descent, each new lower scale within `WARMUP_GAP_STEPS` of the previous; after it,
+    a healthy scaler comes back to the level it settled at (no new low), so `FALL_LOWS` new lows
+    within `FALL_WINDOW_STEPS` steps are a fall: every few steps overflow again (the NaN
+    fingerprint's early warning). Without steps nothing can be told apart: None."""
+    low: float | None = None
+    low_step: int | None = None
+    settled: float | None = None
+    lows: list[tuple[int, float]] = []
+    for _, step, scale in levels:
+        if low is None:
+            low, low_step = scale, step
+            continue
+        if scale >= low:
+            continue
+        if step is None or low_step is None:
+            return None
+        if settled is None and step - low_step <= WARMUP_GAP_STEPS:
+            low, low_step = scale, step
+            continue
+        if settled is None:
+            settled = low
+        lows.append((step, scale))
+        low, low_step = scale, step
+    for i in range(len(lows) - FALL_LOWS + 1):
+        first, last = lows[i], lows[i + FALL_LOWS - 1]
+        if last[0] - first[0] <= FALL_WINDOW_STEPS:
+            return {
+                "metric": "loss_scale",
+                "kind": "falling",
+                "start_step": first[0],
+                "detected_step": last[0],
+                "value": last[1],
+                "baseline": settled,
+                "rule": FALL_RULE,
+            }
+    return None
