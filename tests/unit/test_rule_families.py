@@ -92,7 +92,7 @@ FAMILY_RULES = (
     "terminate-without-active-exception",
     "elastic-worker-exit-nonzero",
     "elastic-closing-signal",
-    "elastic-signal-crash",
+    "bus-error-shared-memory",
     "srun-task-exited",
     # checkpoint-io
     "no-space-left",
