@@ -204,11 +204,13 @@ class Daemon:
             ctype = resp.headers.get("Content-Type", "")
             return resp.status, (json.loads(body) if "json" in ctype else body.decode())
 
-    async def wait_events(self, job: str, count: int, timeout_s: float = 20.0) -> dict[str, Any]:
+    async def wait_events(
+        self, job: str, count: int, timeout_s: float = 20.0, token: str | None = None
+    ) -> dict[str, Any]:
         deadline = time.monotonic() + timeout_s
         doc: Any = None
         while time.monotonic() < deadline:
-            status, doc = await self.get(f"/api/v1/jobs/{job}")
+            status, doc = await self.get(f"/api/v1/jobs/{job}", token)
             if status == 200 and doc["stats"]["events"] >= count:
                 return dict(doc)
             await asyncio.sleep(0.2)
