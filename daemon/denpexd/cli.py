@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 from denpex_agent.redact import Redactor, configure_logging
 from denpexd import __version__
+from denpexd.nodehistory import DEFAULT_JOBS as HISTORY_JOBS
 
 EXIT_OK = 0
 EXIT_FAILURE = 1
@@ -26,6 +27,7 @@ and which of the other errors are only collateral.
   denpexd rules test                   self-test the signature library
   denpexd serve                        live correlator: embedded MQTT broker, HTTP API, /metrics
   denpexd query --job ID               the live diagnosis of a job from a running `serve`
+  denpexd query --nodes                nodes that keep starting hardware/communication failures
   denpexd verify NEWDIR --against-dir OLDDIR
                                        is OLDDIR's failure gone from the run repeated in NEWDIR?
   denpexd validate --config FILE       check a serve configuration and its rules
@@ -136,9 +138,28 @@ def build_parser() -> argparse.ArgumentParser:
         "such a store stops serve with a message naming the file",
     )
 
-    q = sub.add_parser("query", help="ask a running `denpexd serve` about a job")
+    q = sub.add_parser(
+        "query",
+        help="ask a running `denpexd serve` about a job, the recent jobs or the nodes",
+        description="Ask a running `denpexd serve` over its HTTP API: one job's diagnosis (--job), the "
+        "recent jobs (--jobs), or the nodes that initiated the recent hardware and communication "
+        "failures (--nodes, over the last --last jobs).",
+    )
     q.add_argument("--job", metavar="ID", help="print this job's diagnosis (the report `diagnose` prints)")
     q.add_argument("--jobs", action="store_true", help="list recent jobs, their verdicts and initiators")
+    q.add_argument(
+        "--nodes",
+        action="store_true",
+        help="rank the nodes by how many of the recent hardware/communication failures they initiated "
+        "(a node that keeps starting them is suspect), with the rules of each",
+    )
+    q.add_argument(
+        "--last",
+        metavar="N",
+        type=int,
+        default=HISTORY_JOBS,
+        help=f"with --nodes: count the failures of the last N jobs (default {HISTORY_JOBS})",
+    )
     q.add_argument(
         "--json", action="store_true", help="print JSON (for --job the diagnosis, docs/diagnosis-json.md)"
     )

@@ -43,12 +43,12 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def load_case(case: str, job: str, rules: RuleSet) -> list[Event]:
+def load_case(case: str, job: str, rules: RuleSet, root: Path = JOBS) -> list[Event]:
     """The case's events in true-time order (ts minus the node's recorded skew; file order on ties)."""
     report = ReadReport()
-    files = discover([str(JOBS / case)], None, report)
+    files = discover([str(root / case)], None, report)
     events = list(read_files(files, Matcher(rules), job, report))
-    skew = json.loads((JOBS / case / "expected.json").read_text()).get("skew_s", {})
+    skew = json.loads((root / case / "expected.json").read_text()).get("skew_s", {})
     last: dict[str, float] = {}
     keyed = []
     for i, ev in enumerate(events):
