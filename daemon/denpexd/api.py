@@ -6,7 +6,9 @@ one a 404. `/api/v1/jobs/<id>/events?rank=&kind=&limit=&after=` lists a job's ev
 order, optionally of one rank and/or one kind (`match`, `progress`, `heartbeat`), a page at a time:
 `next` is the `after` of the next page (`null` after the last); progress events stored as one row
 per batch are expanded. `/api/v1/dead-letters?limit=` lists the messages whose
-processing raised (kept, acknowledged, newest first). Reads go to the store's reader connection:
+processing raised (kept, acknowledged, newest first). `/api/v1/nodes?limit=` ranks the nodes
+that initiated hardware and communication failures in the last `limit` jobs (`nodehistory`).
+Reads go to the store's reader connection:
 a busy writer does not hold them back.
 """
 
@@ -27,6 +29,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 from denpex_agent import wire
 from denpex_agent.events import KINDS
+from denpexd import nodehistory
 from denpexd.config import split_listen
 from denpexd.errors import HttpError
 from denpexd.jobs import JobTable
@@ -93,6 +96,7 @@ class Api:
         app.router.add_get("/api/v1/jobs/{job}", self.job)
         app.router.add_get("/api/v1/jobs/{job}/events", self.events)
         app.router.add_get("/api/v1/dead-letters", self.dead_letters)
+        app.router.add_get("/api/v1/nodes", self.nodes)
         return app
 
     async def __aenter__(self) -> Self:
@@ -193,6 +197,20 @@ class Api:
                     await writer.flush()
         events, cursor = await self.store.events_page(job, rank, limit, kind, after)
         return _json({"job": job, "events": events, "next": cursor})
+
+    async def nodes(self, request: web.Request) -> web.Response:
+        unknown = sorted(set(request.query) - {"limit"})
+        if unknown:
+            return _error(400, f"unknown parameter {unknown[0]!r} (known: limit)")
+        raw = request.query.get("limit", str(nodehistory.DEFAULT_JOBS))
+        try:
+            limit = int(raw)
+        except ValueError:
+            return _error(400, f"limit must be an integer, got {raw[:40]!r}")
+        if not 1 <= limit <= nodehistory.MAX_JOBS:
+            return _error(400, f"limit must be between 1 and {nodehistory.MAX_JOBS}")
+        failures, jobs = await self.store.failures(limit)
+        return _json({"limit": limit, **nodehistory.ranking(failures, jobs)})
 
     async def dead_letters(self, request: web.Request) -> web.Response:
         try:

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 from denpex_agent.redact import Redactor, configure_logging
 from denpexd import __version__
+from denpexd.nodehistory import DEFAULT_JOBS as HISTORY_JOBS
 
 EXIT_OK = 0
 EXIT_FAILURE = 1
@@ -26,12 +27,16 @@ and which of the other errors are only collateral.
   denpexd rules test                   self-test the signature library
   denpexd serve                        live correlator: embedded MQTT broker, HTTP API, /metrics
   denpexd query --job ID               the live diagnosis of a job from a running `serve`
+  denpexd query --nodes                nodes that keep starting hardware/communication failures
+  denpexd verify NEWDIR --against-dir OLDDIR
+                                       is OLDDIR's failure gone from the run repeated in NEWDIR?
   denpexd validate --config FILE       check a serve configuration and its rules
   denpexd credential --agent ID        an agent's password for the embedded broker
 
 environment: `serve` and `validate` take DENPEX_<KEY> for each configuration key (DENPEX_BROKER,
 DENPEX_HTTP_LISTEN, ...) and DENPEX_CONFIG; DENPEX_SERVER is tolerated (it is `query`'s), any other
-DENPEX_* variable is an error (exit 2). `query` reads DENPEX_SERVER and DENPEX_API_TOKEN only.
+DENPEX_* variable is an error (exit 2). `query` and `verify` read DENPEX_SERVER and
+DENPEX_API_TOKEN only.
 """
 
 
@@ -143,9 +148,28 @@ def build_parser() -> argparse.ArgumentParser:
         "such a store stops serve with a message naming the file",
     )
 
-    q = sub.add_parser("query", help="ask a running `denpexd serve` about a job")
+    q = sub.add_parser(
+        "query",
+        help="ask a running `denpexd serve` about a job, the recent jobs or the nodes",
+        description="Ask a running `denpexd serve` over its HTTP API: one job's diagnosis (--job), the "
+        "recent jobs (--jobs), or the nodes that initiated the recent hardware and communication "
+        "failures (--nodes, over the last --last jobs).",
+    )
     q.add_argument("--job", metavar="ID", help="print this job's diagnosis (the report `diagnose` prints)")
     q.add_argument("--jobs", action="store_true", help="list recent jobs, their verdicts and initiators")
+    q.add_argument(
+        "--nodes",
+        action="store_true",
+        help="rank the nodes by how many of the recent hardware/communication failures they initiated "
+        "(a node that keeps starting them is suspect), with the rules of each",
+    )
+    q.add_argument(
+        "--last",
+        metavar="N",
+        type=int,
+        default=HISTORY_JOBS,
+        help=f"with --nodes: count the failures of the last N jobs (default {HISTORY_JOBS})",
+    )
     q.add_argument(
         "--json", action="store_true", help="print JSON (for --job the diagnosis, docs/diagnosis-json.md)"
     )
@@ -169,6 +193,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=10.0,
         help="give up when the daemon has not answered in this long (default 10)",
     )
+
+    _add_verify(sub)
 
     v = sub.add_parser(
         "validate",
@@ -202,6 +228,56 @@ def build_parser() -> argparse.ArgumentParser:
             "--rules", metavar="DIR", help="rule library folder or file (default: the bundled library)"
         )
     return p
+
+
+_VERIFY_DESCRIPTION = """\
+Repeat the failed run's input after a targeted change, then ask whether the failure is gone.
+OLD (the run that failed) and NEW (the run repeated) are each diagnosed: from log files read as
+`diagnose` reads them, or from a job stored by a running `denpexd serve`. NEW is verified when
+
+  signature  OLD's decisive rule (its initiator's, or the job-wide root cause) appears nowhere in
+             NEW: no line of it at any severity, no candidate or collateral naming it;
+  category   NEW's own failure, if it failed, is not of that rule's category (the same failure
+             under another rule); other rules of the category elsewhere in NEW are listed only;
+  progress   NEW's furthest step exceeds OLD's failure step (the furthest step any OLD rank
+             logged); when OLD logged no step line this is not checkable and said so.
+
+A NEW that failed differently past OLD's failure step is verified; the output names its failure.
+
+exit codes: 0 verified, 1 not verified, 2 nothing to verify (OLD did not fail) or nothing to
+compare (a missing path or job, no log files, an unreachable daemon, bad arguments).
+
+  denpexd verify runs/job-4712 --against-dir runs/job-4711
+  denpexd verify --job job-4712 --against job-4711 --format json
+"""
+
+
+def _add_verify(sub: argparse._SubParsersAction[_Parser]) -> None:
+    w = sub.add_parser(
+        "verify",
+        help="is a failure's signature gone from the run repeated after a change? (exit 0/1/2)",
+        description=_VERIFY_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    w.add_argument("paths", nargs="*", metavar="NEW_PATH", help="log directories or files of the NEW run")
+    w.add_argument("--against-dir", action="append", metavar="OLD_PATH",
+                   help="log directory or file of the OLD (failed) run; repeat for several")  # fmt: skip
+    w.add_argument("--job", metavar="NEW", help="the NEW run as a job stored by `denpexd serve`")
+    w.add_argument("--against", metavar="OLD", help="the OLD run as a job stored by `denpexd serve`")
+    w.add_argument("--format", choices=("text", "json"), default="text", help="output format (default: text)")
+    w.add_argument("--rules", metavar="DIR", help="rule library for log files (default: the bundled library)")
+    w.add_argument(
+        "--layout", metavar="TEMPLATE", help="path template for log files of both runs, as for diagnose"
+    )
+    w.add_argument(
+        "--server",
+        metavar="URL",
+        help="daemon for --job/--against (default http://127.0.0.1:8080, env DENPEX_SERVER)",
+    )
+    w.add_argument("--api-token", metavar="TOKEN", help="bearer token (env DENPEX_API_TOKEN)")
+    w.add_argument(
+        "--timeout", metavar="SECONDS", type=float, default=10.0, help="daemon answer timeout (default 10)"
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -256,6 +332,10 @@ def _dispatch(args: argparse.Namespace, redact: Redactor) -> int:
         from denpexd import querycmd
 
         return querycmd.run(args, redact)
+    if args.command == "verify":
+        from denpexd import verifycmd
+
+        return verifycmd.run(args, redact)
     if args.command == "diagnose":
         from denpexd import diagnosecmd
 

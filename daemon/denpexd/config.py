@@ -23,6 +23,7 @@ from urllib.parse import urlsplit
 from denpex_agent.environ import SHARED, config_variables
 from denpex_agent.redact import redact_url
 from denpexd.errors import ConfigError
+from denpexd.nodehistory import MAX_JOBS as MAX_HISTORY_JOBS
 from denpexd.podidentity import PodTokens, TokenKeysError
 
 
@@ -45,6 +46,7 @@ class ServeConfig:
     debounce_s: float = 0.2
     progress_debounce_s: float = 1.0  # re-diagnosis when only progress/heartbeats arrived
     retention_days: float = 14.0
+    node_history_jobs: int = 200  # a live diagnosis's node history counts the last this many jobs
     alertmanager: str | None = None
     alert_repeat_s: float = 60.0
     # a new incident's first alert waits (bounded) for the evidence other agents may still hold:
@@ -212,6 +214,8 @@ def _validate(cfg: ServeConfig) -> ServeConfig:
     for key in ("stall_factor", "stall_floor_s", "stall_pause_s"):
         if not 0 <= getattr(cfg, key) <= 86_400:
             raise ConfigError(key, "must be between 0 and 86400")
+    if not 1 <= cfg.node_history_jobs <= MAX_HISTORY_JOBS:
+        raise ConfigError("node_history_jobs", f"must be between 1 and {MAX_HISTORY_JOBS}")
     for key in ("alert_settle_s", "alert_catchup_hold_s"):
         if not 0 <= getattr(cfg, key) <= 600:
             raise ConfigError(key, "must be between 0 and 600 seconds")

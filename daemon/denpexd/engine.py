@@ -4,9 +4,9 @@ Pure and incremental: `Engine.add()` folds each event into bounded per-(node, ra
 aggregates and per-rank progress tracks (`analysis.tracks`); `Engine.diagnose()` can be called at
 any time and composes the analyses of `denpexd.analysis` over that state: clock offsets
 (`clock`), ranks for unranked events (`ranks`), the initiator and its rivals (`story`), the hang
-suspect (`hang`), the job-wide check (`scope`), the collateral, the NaN fingerprint, stragglers
-and the evidence. `denpexd diagnose` feeds it from files and `denpexd serve` from MQTT — the
-same code either way.
+suspect (`hang`), the job-wide check (`scope`), the collateral, the NaN fingerprint, stragglers,
+the evidence and the index of every rule that matched (`matches`). `denpexd diagnose` feeds it
+from files and `denpexd serve` from MQTT — the same code either way.
 
 Order does not matter: the state after a set of events is the same whatever order they were
 added in (every "first" is the least by `event_order`, every tie has one rule), so the live
@@ -31,6 +31,7 @@ from denpexd.analysis.collateral import collateral
 from denpexd.analysis.evidence import candidate_dict, evidence, rank_table, root_cause
 from denpexd.analysis.fingerprints import LOSS_SCALE_DROPS_DEGRADED, nan_fingerprint, scale_drops
 from denpexd.analysis.hang import HANG_RULE, hang_suspect
+from denpexd.analysis.matches import matches
 from denpexd.analysis.scope import job_wide
 from denpexd.analysis.story import KILLED_RULE, MAX_CANDIDATES_SHOWN, candidates, rank_candidates, witnesses
 from denpexd.analysis.stragglers import STRAGGLER_RULE, stragglers
@@ -400,6 +401,7 @@ class Engine:
             "loss_scale_drops": drops,
             "loss_scale_min": self.min_scale,
             "ranks": rank_table(tracks, aligned, self.rank_events),
+            "matches": matches(aggs, aligned),
             "stats": {"events": self.events_seen, "aggregates": len(self.aggs) + len(self.unranked)},
         }
         if max(len(ranked), tied) > MAX_CANDIDATES_SHOWN:

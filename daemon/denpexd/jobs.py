@@ -7,8 +7,8 @@ diagnosis task recomputes dirty jobs at most every `debounce_s` (`progress_debou
 only progress and heartbeats arrived since the last diagnosis: on a large job a diagnosis costs
 tens of milliseconds, and steady progress changes it slowly; a job whose verdict may turn
 "failed", or whose initiator may move, is diagnosed at once instead), publishes the result
-retained on `denpex/v1/jobs/<job>/diagnosis`, updates the per-job metrics, lets the alerter
-decide and stores it. Jobs idle for `job_idle_close_s` are closed; when
+retained on `denpex/v1/jobs/<job>/diagnosis` (with the initiating node's record across the other
+recent jobs, `nodehistory`), updates the per-job metrics, lets the alerter decide and stores it. Jobs idle for `job_idle_close_s` are closed; when
 `max_open_jobs` is reached the least recently active job is evicted (and counted).
 """
 
@@ -30,6 +30,7 @@ from denpex_agent import wire
 from denpex_agent.events import Event
 from denpex_agent.rules import RuleSet
 from denpex_agent.timestamps import parse_iso
+from denpexd import nodehistory
 from denpexd.alerts import Alerter
 from denpexd.analysis.evidence import root_cause
 from denpexd.config import ServeConfig
@@ -55,7 +56,9 @@ HISTORICAL_QUIET_S = 2.0  # ... and its alert waits for this long a pause in the
 # thousands of ranks in its collateral and rank table exceeds it: its MQTT copy carries the first
 # entries of its long lists and says so; the HTTP API and the store keep the whole document.
 MAX_DIAGNOSIS_BYTES = 900 * 1024
-_WHOLE = ("job", "verdict", "initiator", "scope", "root_cause", "evidence", "fingerprints", "truncated")
+_WHOLE = (
+    "job", "verdict", "initiator", "scope", "root_cause", "evidence", "fingerprints", "node_history", "truncated",
+)  # fmt: skip
 
 
 def diagnosis_payload(doc: dict[str, Any], limit: int = MAX_DIAGNOSIS_BYTES) -> bytes:
@@ -678,6 +681,9 @@ class JobTable:
         self.metrics.diagnosis_seconds.observe(state.diagnosis_cost)
         doc["agents"] = sorted(self.agents.get(state.job, {}).values(), key=lambda a: str(a["agent"]))
         doc["open"] = True
+        record = await self._node_history(state.job, doc)
+        if record is not None:
+            doc["node_history"] = record
         if state.broken is not None:
             doc["broken"] = state.broken
         state.diagnosis = doc
@@ -690,6 +696,19 @@ class JobTable:
         await self.alerter.on_diagnosis(state.job, doc)
         await self.store.save_diagnosis(state.job, doc)
         return doc
+
+    async def _node_history(self, job: str, doc: dict[str, Any]) -> dict[str, Any] | None:
+        """The initiating node's record over the other recent jobs (`nodehistory`), or None. The
+        store being unreadable costs the field, not the diagnosis."""
+        ini = doc.get("initiator")
+        if doc.get("verdict") != "failed" or not ini:
+            return None
+        try:
+            failures, jobs = await self.store.failures(self.cfg.node_history_jobs, other_than=job)
+        except StoreError as exc:
+            log.warning("node history not read job=%s error=%s", job, exc)
+            return None
+        return nodehistory.history(ini["node"], ini["category"], failures, jobs)
 
     def _export(self, state: JobState, doc: dict[str, Any]) -> None:
         m, job, ini = self.metrics, state.job, doc.get("initiator")

@@ -4,7 +4,8 @@
 diagnosis document (docs/diagnosis-json.md), `--jobs` the recent jobs with their verdicts and
 initiators; with `--control HEALTHY_JOB`, the job's first divergence from that healthy job
 (`divergence.py`), compared over the lines the daemon stored for both jobs (their events and the
-context lines before them, not every line of their logs). `--server` may omit the scheme (``host:8080`` means ``http://host:8080``); a daemon that
+context lines before them, not every line of their logs), `--nodes` the nodes that initiated
+hardware and communication failures in the last `--last` jobs (`nodehistory`). `--server` may omit the scheme (``host:8080`` means ``http://host:8080``); a daemon that
 accepts the connection but does not answer within `--timeout` seconds is an error naming both.
 """
 
@@ -23,6 +24,7 @@ import orjson
 from denpex_agent import wire
 from denpex_agent.redact import Redactor, redact_url
 from denpexd import divergence
+from denpexd import nodehistory
 from denpexd.errors import QueryError
 from denpexd.report import render_text
 
@@ -138,12 +140,33 @@ def render_jobs(rows: list[dict[str, Any]]) -> str:
     return "\n".join(out) + "\n"
 
 
+def render_nodes(doc: dict[str, Any]) -> str:
+    """One line per node, most failures first (`nodehistory.ranking`)."""
+    jobs, failures = doc["jobs"], doc["failures"]
+    if not failures:
+        return f"no {nodehistory.LABEL} failures in the last {jobs} job(s)\n"
+    out = [f"{failures} {nodehistory.LABEL} failure(s) with an initiating node in the last {jobs} job(s)"]
+    width = max(len(r["node"]) for r in doc["nodes"])
+    for r in doc["nodes"]:
+        rules = ", ".join(f"{rule} x{n}" for rule, n in r["rules"].items())
+        out.append(
+            f"{r['node']:<{width}}  initiated {r['initiated']} of the last {r['of']} "
+            f"{nodehistory.LABEL} failures  ({rules})"
+        )
+    return "\n".join(out) + "\n"
+
+
 def run(args: argparse.Namespace, redact: Redactor | None = None) -> int:
     redact = redact if redact is not None else Redactor()
     token = args.api_token or os.environ.get("DENPEX_API_TOKEN") or None
     timeout_s = getattr(args, "timeout", DEFAULT_TIMEOUT_S)
-    if not args.jobs and not args.job:
-        print("denpexd query: choose --job ID or --jobs", file=sys.stderr)
+    nodes = getattr(args, "nodes", False)
+    last = getattr(args, "last", nodehistory.DEFAULT_JOBS)
+    if sum((bool(args.job), bool(args.jobs), bool(nodes))) != 1:
+        print("denpexd query: choose one of --job ID, --jobs, --nodes", file=sys.stderr)
+        return 2
+    if not 1 <= last <= nodehistory.MAX_JOBS:
+        print(f"denpexd query: --last must be between 1 and {nodehistory.MAX_JOBS}", file=sys.stderr)
         return 2
     if args.job and not wire.valid_id(args.job):
         print(f"denpexd query: invalid job id {args.job!r}", file=sys.stderr)
@@ -164,6 +187,13 @@ def run(args: argparse.Namespace, redact: Redactor | None = None) -> int:
         print(redact(f"denpexd query: {exc}"), file=sys.stderr)
         return 2
     try:
+        if nodes:
+            doc = asyncio.run(fetch(server, f"/api/v1/nodes?limit={last}", token, timeout_s))
+            if args.json:
+                _dump(doc)
+            else:
+                sys.stdout.write(render_nodes(doc))
+            return 0
         if args.jobs:
             doc = asyncio.run(fetch(server, "/api/v1/jobs", token, timeout_s))
             if args.json:

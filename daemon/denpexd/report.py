@@ -128,6 +128,12 @@ def _divergence(div: dict[str, Any] | None) -> list[str]:
     if len(per_rank) > DIVERGENT_RANKS_SHOWN:
         out.append(f"    +{len(per_rank) - DIVERGENT_RANKS_SHOWN} more")
     return out
+def _node_history(record: dict[str, Any] | None) -> list[str]:
+    """The note of a node that keeps starting hardware/communication failures (live only)."""
+    note = (record or {}).get("note")
+    if not note:
+        return []
+    return ["", *textwrap.wrap(note, width=108, initial_indent="NODE HISTORY  ", subsequent_indent="  ")]
 
 
 def render_text(d: dict[str, Any]) -> str:
@@ -154,6 +160,8 @@ def render_text(d: dict[str, Any]) -> str:
             out.append(f"  line       {first_text[-1][:200]}")
         out.extend(_chain(d.get("chain")))
     elif d["verdict"] == "failed" and d.get("scope") == "job" and not d.get("stall"):
+        out.extend(_node_history(d.get("node_history")))
+    elif d["verdict"] == "failed" and d.get("scope") == "job":
         shared = [c for c in d.get("candidates", []) if c.get("rule") == rc.get("rule")]
         ranks = sorted({c["rank"] for c in shared if c.get("rank") is not None})
         out.append("")

@@ -4,7 +4,9 @@ One dedicated thread owns the connection; every method is a coroutine that runs 
 there, so the event loop never waits on the disk. Events are keyed by (job, event id), so writing
 a duplicate is a no-op and a restart can rebuild the dedup sets from what is stored. A batch of
 progress events alone is one row (`progress_batch_row`, schema version 2): it is expanded when
-events are restored or listed, and deduplicated in memory like the live path does.
+events are restored or listed, and deduplicated in memory like the live path does. Each job's
+row keeps its verdict and initiating node, rank, rule and category, so the recent failures of
+all jobs (`failures`, node history) are read without opening their diagnoses.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from denpex_agent.events import Event
 from denpex_agent.wire import event_to_wire
 from denpexd import fastwire
 from denpexd.errors import StoreError
+from denpexd.nodehistory import Failure
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -61,6 +64,12 @@ _MIGRATIONS: tuple[str, ...] = (
     # 4: a job's events in arrival order without sorting them all (the API's first page)
     """
     CREATE INDEX events_job_seq ON events (job, seq);
+    """,
+    # 5: the initiator's rule beside its node and category (node history across jobs), and the
+    # recent jobs without sorting them all
+    """
+    ALTER TABLE jobs ADD COLUMN initiator_rule TEXT;
+    CREATE INDEX jobs_last_seen ON jobs (last_seen);
     """,
 )
 
@@ -312,8 +321,9 @@ class Store:
             (job, now, orjson.dumps(doc, option=orjson.OPT_NON_STR_KEYS)),
         )
         db.execute(
-            "UPDATE jobs SET verdict = ?, initiator_node = ?, initiator_rank = ?, category = ? WHERE job = ?",
-            (doc.get("verdict"), ini.get("node"), ini.get("rank"), rc.get("category"), job),
+            "UPDATE jobs SET verdict = ?, initiator_node = ?, initiator_rank = ?, initiator_rule = ?,"
+            " category = ? WHERE job = ?",
+            (doc.get("verdict"), ini.get("node"), ini.get("rank"), ini.get("rule"), rc.get("category"), job),
         )
         db.execute("COMMIT")
 
@@ -426,6 +436,33 @@ class Store:
         return [
             {**dict(zip(keys, r[:6], strict=True)), "initiator_rank": r[6], "category": r[7]} for r in rows
         ]
+
+    async def failures(self, limit: int, other_than: str | None = None) -> tuple[list[Failure], int]:
+        """The failures with an initiating node among the last ``limit`` jobs (by last activity,
+        newest first; ``other_than`` left out), and how many jobs that window holds."""
+        return await self._read(self._failures, limit, other_than)
+
+    def _failures(self, limit: int, other_than: str | None) -> tuple[list[Failure], int]:
+        rows = self._read_query(
+            "SELECT job, verdict, initiator_node, initiator_rule, category FROM jobs WHERE job IS NOT ?"
+            " ORDER BY last_seen DESC LIMIT ?",
+            (other_than, limit),
+        )
+        out = []
+        for job, verdict, node, rule, category in rows:
+            if verdict != "failed" or node is None:
+                continue
+            if rule is None:  # diagnosed before the rule had a column of its own
+                rule = self._stored_rule(job)
+            out.append(Failure(job, node, rule or "?", category or "?"))
+        return out, len(rows)
+
+    def _stored_rule(self, job: str) -> str | None:
+        rows = self._read_query("SELECT doc FROM diagnoses WHERE job = ?", (job,))
+        if not rows:
+            return None
+        rule = (orjson.loads(rows[0][0]).get("initiator") or {}).get("rule")
+        return rule if isinstance(rule, str) else None
 
     async def diagnosis(self, job: str) -> dict[str, Any] | None:
         rows = await self._read(self._read_query, "SELECT doc FROM diagnoses WHERE job = ?", (job,))

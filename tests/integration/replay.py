@@ -43,12 +43,12 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def load_case(case: str, job: str, rules: RuleSet) -> list[Event]:
+def load_case(case: str, job: str, rules: RuleSet, root: Path = JOBS) -> list[Event]:
     """The case's events in true-time order (ts minus the node's recorded skew; file order on ties)."""
     report = ReadReport()
-    files = discover([str(JOBS / case)], None, report)
+    files = discover([str(root / case)], None, report)
     events = list(read_files(files, Matcher(rules), job, report))
-    skew = json.loads((JOBS / case / "expected.json").read_text()).get("skew_s", {})
+    skew = json.loads((root / case / "expected.json").read_text()).get("skew_s", {})
     last: dict[str, float] = {}
     keyed = []
     for i, ev in enumerate(events):
@@ -204,11 +204,13 @@ class Daemon:
             ctype = resp.headers.get("Content-Type", "")
             return resp.status, (json.loads(body) if "json" in ctype else body.decode())
 
-    async def wait_events(self, job: str, count: int, timeout_s: float = 20.0) -> dict[str, Any]:
+    async def wait_events(
+        self, job: str, count: int, timeout_s: float = 20.0, token: str | None = None
+    ) -> dict[str, Any]:
         deadline = time.monotonic() + timeout_s
         doc: Any = None
         while time.monotonic() < deadline:
-            status, doc = await self.get(f"/api/v1/jobs/{job}")
+            status, doc = await self.get(f"/api/v1/jobs/{job}", token)
             if status == 200 and doc["stats"]["events"] >= count:
                 return dict(doc)
             await asyncio.sleep(0.2)
