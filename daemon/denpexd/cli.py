@@ -244,7 +244,7 @@ OLD (the run that failed) and NEW (the run repeated) are each diagnosed: from lo
 
 A NEW that failed differently past OLD's failure step is verified; the output names its failure.
 
-exit codes: 0 verified, 1 not verified, 2 nothing to verify (OLD did not fail) or nothing to
+exit codes: 0 verified, 1 not verified, 2 nothing to verify (OLD is healthy) or nothing to
 compare (a missing path or job, no log files, an unreachable daemon, bad arguments).
 
   denpexd verify runs/job-4712 --against-dir runs/job-4711

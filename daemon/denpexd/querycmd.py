@@ -23,8 +23,7 @@ import orjson
 
 from denpex_agent import wire
 from denpex_agent.redact import Redactor, redact_url
-from denpexd import divergence
-from denpexd import nodehistory
+from denpexd import divergence, nodehistory
 from denpexd.errors import QueryError
 from denpexd.report import render_text
 

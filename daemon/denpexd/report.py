@@ -128,6 +128,8 @@ def _divergence(div: dict[str, Any] | None) -> list[str]:
     if len(per_rank) > DIVERGENT_RANKS_SHOWN:
         out.append(f"    +{len(per_rank) - DIVERGENT_RANKS_SHOWN} more")
     return out
+
+
 def _node_history(record: dict[str, Any] | None) -> list[str]:
     """The note of a node that keeps starting hardware/communication failures (live only)."""
     note = (record or {}).get("note")

@@ -19,7 +19,10 @@ hold:
   other two.
 
 A NEW that failed differently, past OLD's failure step, is verified: the change did what it was
-for, and the output names NEW's own failure. An OLD that did not fail has nothing to verify
+for, and the output names NEW's own failure. A `degraded` OLD (a loss divergence, a slow rank, a
+falling loss scale) is verified the same way: its signature is the root cause's rule, looked for
+also among NEW's `trends` and `stragglers`, and its failure step is where the trend started (a
+slow rank has none: not checkable). An OLD that is healthy has nothing to verify
 (`NothingToVerify`).
 """
 
@@ -53,8 +56,13 @@ def verify(new: dict[str, Any], old: dict[str, Any]) -> dict[str, Any]:
     """The verification document: ``verified``, ``signature``, ``old``, ``new``, ``reasons``
     (every check, passed or not) and ``notes``. Raises `NothingToVerify`."""
     sig = signature(old)
-    old_step = furthest_step(old)
-    checks = [signature_check(sig, new), category_check(sig, new), progress_check(old_step, new)]
+    old_step = furthest_step(old) if old.get("verdict") == "failed" else _trend_start(old, sig["rule"])
+    why = (
+        "OLD logged no step line, so its failure step is unknown"
+        if old.get("verdict") == "failed"
+        else "OLD was degraded without a step it started at (a slow rank has none)"
+    )
+    checks = [signature_check(sig, new), category_check(sig, new), progress_check(old_step, new, why)]
     return {
         "verified": all(c.ok is not False for c in checks),
         "signature": sig,
@@ -78,7 +86,7 @@ def verify(new: dict[str, Any], old: dict[str, Any]) -> dict[str, Any]:
 
 def signature(old: dict[str, Any]) -> dict[str, Any]:
     """OLD's decisive rule and its category, and where OLD logged it."""
-    if old.get("verdict") != "failed":
+    if old.get("verdict") not in ("failed", "degraded"):
         raise NothingToVerify(
             f"{old.get('job')} did not fail (verdict {old.get('verdict')}): nothing to verify"
         )
@@ -89,8 +97,9 @@ def signature(old: dict[str, Any]) -> dict[str, Any]:
 
 
 def _failure(doc: dict[str, Any]) -> dict[str, Any] | None:
-    """What a failed diagnosis names as its failure: the initiator, or the job-wide root cause."""
-    if doc.get("verdict") != "failed":
+    """What a failed (or degraded) diagnosis names as its failure: the initiator, or the job-wide
+    root cause."""
+    if doc.get("verdict") not in ("failed", "degraded"):
         return None
     ini = doc.get("initiator")
     if ini:
@@ -104,6 +113,9 @@ def _failure(doc: dict[str, Any]) -> dict[str, Any] | None:
     rc = doc.get("root_cause") or {}
     if not rc.get("rule"):
         return None
+    slow = next((st for st in doc.get("stragglers") or [] if st.get("rule") == rc["rule"]), None)
+    if slow is not None:  # a degraded run's slow rank
+        return {"rule": rc["rule"], "category": rc.get("category"), "scope": "rank", **_place(slow)}
     return {"rule": rc["rule"], "category": rc.get("category"), "scope": "job"}
 
 
@@ -122,6 +134,14 @@ def furthest_step(doc: dict[str, Any]) -> int | None:
     """The highest step any rank of the diagnosis logged, or None."""
     steps = [r["last_step"] for r in doc.get("ranks") or [] if isinstance(r.get("last_step"), int)]
     return max(steps) if steps else None
+
+
+def _trend_start(doc: dict[str, Any], rule: str) -> int | None:
+    """Where a degraded run's trend of ``rule`` started (None: no trend of it, or no step)."""
+    for t in doc.get("trends") or []:
+        if t.get("rule") == rule and isinstance(t.get("start_step"), int):
+            return int(t["start_step"])
+    return None
 
 
 def _initiator_step(doc: dict[str, Any]) -> int | None:
@@ -160,6 +180,15 @@ def occurrence(rule: str, doc: dict[str, Any]) -> dict[str, Any] | None:
         if c.get("rule") == rule:
             return {"node": c.get("node"), "rank": c.get("rank"), "time": c.get("first_time"),
                     "count": c.get("count")}  # fmt: skip
+    for t in doc.get("trends") or []:
+        if t.get("rule") == rule:
+            return {
+                "text": f"{t.get('metric')} {t.get('kind')} from step {t.get('start_step')}",
+                "count": None,
+            }
+    for st in doc.get("stragglers") or []:
+        if st.get("rule") == rule:
+            return {"node": st.get("node"), "rank": st.get("rank"), "text": f"slow rank ({st.get('metric')})"}
     lost = ((doc.get("overflow") or {}).get("by_rule") or {}).get(rule)
     if lost:
         return {"count": lost, "text": "beyond the job's bounds (overflow)"}
@@ -197,13 +226,14 @@ def category_check(sig: dict[str, Any], new: dict[str, Any]) -> Check:
     )
 
 
-def progress_check(old_step: int | None, new: dict[str, Any]) -> Check:
+def progress_check(
+    old_step: int | None,
+    new: dict[str, Any],
+    why: str = "OLD logged no step line, so its failure step is unknown",
+) -> Check:
     if old_step is None:
         return Check(
-            "progress",
-            None,
-            "not checkable: OLD logged no step line, so its failure step is unknown; "
-            "verification rests on the signature and category checks",
+            "progress", None, f"not checkable: {why}; verification rests on the signature and category checks"
         )
     new_step = furthest_step(new)
     if new_step is None:

@@ -4,8 +4,8 @@ Each side is a diagnosis: of log files read as `denpexd diagnose` reads them (NE
 as `--against-dir`), or of a job stored by a running `denpexd serve` (NEW as `--job`, OLD as
 `--against`), fetched over its HTTP API as `denpexd query` does. `verify.py` compares them.
 
-Exit codes: 0 verified, 1 not verified, 2 nothing to verify or nothing to compare with (OLD did
-not fail, a missing path or unknown job, no log files, an unreachable daemon, bad arguments).
+Exit codes: 0 verified, 1 not verified, 2 nothing to verify or nothing to compare with (OLD is
+healthy, a missing path or unknown job, no log files, an unreachable daemon, bad arguments).
 """
 
 from __future__ import annotations

@@ -148,6 +148,23 @@ def test_without_old_step_lines_progress_is_not_checkable(tmp_path: Path) -> Non
     assert doc["old"]["failure_step"] is None
 
 
+def test_a_degraded_run_is_verified_by_its_trend_or_slow_rank() -> None:
+    """A loss divergence: its rule is looked for among NEW's trends and NEW must get past the
+    step it started at; a slow rank: its rule among NEW's stragglers (no failure step)."""
+    code, doc = verify_json(str(JOBS / "diverge"), "--against-dir", str(JOBS / "diverge"))
+    assert code == 1 and doc["signature"]["rule"] == "loss-divergence" and doc["old"]["failure_step"] == 54
+    assert reason(doc, "signature")["ok"] is False
+    code, doc = verify_json(str(JOBS / "slow_pct_control"), "--against-dir", str(JOBS / "diverge"))
+    assert code == 0 and [r["ok"] for r in doc["reasons"]] == [True, True, True]
+    code, doc = verify_json(str(JOBS / "healthy"), "--against-dir", str(JOBS / "diverge"))
+    assert code == 1 and reason(doc, "progress")["ok"] is False  # it stopped at step 30 < 54
+    code, doc = verify_json(str(JOBS / "slow_pct"), "--against-dir", str(JOBS / "slow_pct"))
+    assert code == 1 and doc["signature"]["rule"] == "slow-rank-compute"
+    assert (doc["signature"]["node"], doc["signature"]["rank"]) == ("node1", 1)
+    code, doc = verify_json(str(JOBS / "slow_pct_control"), "--against-dir", str(JOBS / "slow_pct"))
+    assert code == 0 and reason(doc, "progress")["ok"] is None
+
+
 def test_nothing_to_verify_and_usage_errors_exit_2(tmp_path: Path) -> None:
     p = denpexd("verify", str(JOBS / "nan_fp16"), "--against-dir", str(JOBS / "healthy"))
     assert p.returncode == 2 and "healthy did not fail (verdict healthy): nothing to verify" in p.stderr
