@@ -222,6 +222,13 @@ def stream_key(line: str) -> str:
     )
 
 
+def tee_echo(line: str) -> bool:
+    """Whether the line is a launcher's copy of a worker's line: torchrun ``--tee``'s
+    ``[defaultN]:`` tag in its prefix (after a collector's timestamp or task label too)."""
+    m = _prefix(line)
+    return m is not None and "[default" in (m.group("tags") or "")
+
+
 def strip_prefix(line: str) -> str:
     """The line without its launcher and rank prefixes (and one space after)."""
     m = _prefix(line)

@@ -23,6 +23,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+from denpex_agent.attribution import tee_echo
 from denpex_agent.events import Event
 from denpex_agent.rules import SEVERITIES, RuleSet
 from denpexd.analysis import ranks
@@ -48,7 +49,6 @@ from denpexd.analysis.tracks import (
 from denpexd.analysis.trends import scale_fall, step_at, trends
 from denpexd.clock import ClockEstimate, align
 
-TEE_PREFIX = "[default"  # torchrun --tee: "[default<local rank>]:" before each worker line
 ECHO = "\x1fecho"  # the aggregate key suffix of a launcher's echoes of a rule
 
 __all__ = ["HANG_RULE", "KILLED_RULE", "LOOKBACK_S", "STRAGGLER_RULE", "Engine"]
@@ -125,7 +125,7 @@ class Engine:
         scale = ev.fields.get("scale")
         if isinstance(scale, float) and math.isfinite(scale):
             self._scale(scale, ev)
-        if ev.local_rank is not None and ev.text.startswith(TEE_PREFIX):
+        if ev.local_rank is not None and tee_echo(ev.text):
             rule += ECHO  # a launcher's echo of a worker's line: its own aggregate (see _unechoed)
         ev = _kept(ev)
         if ev.rank is None:

@@ -9,6 +9,7 @@ from denpex_agent.attribution import (
     dominant_rank,
     line_rank,
     strip_prefix,
+    tee_echo,
 )
 from denpex_agent.errors import LayoutError
 
@@ -139,3 +140,12 @@ def test_only_a_strong_prefix_beats_the_files_rank() -> None:
     assert has_prefix("[rank3]: x") and has_prefix("[1,3]<stderr>:x") and has_prefix("[gpu-node-3:12] x")
     assert not has_prefix("3: x")  # a bare srun number may be anybody's text
     assert not has_prefix("[Rank 3] x")
+
+
+def test_a_tee_echo_is_known_behind_a_collectors_timestamp_or_task_label() -> None:
+    assert tee_echo("[default1]:[rank3]: RuntimeError: boom")
+    assert tee_echo("2026-11-29T12:00:00.123Z [default0]:2026-11-29 12:00:00,100 ERROR [rank2] boom")
+    assert tee_echo("i.pretrain/0 [default2]:[rank2]: boom")
+    assert tee_echo(" 1: [default0]:Traceback (most recent call last):")
+    assert not tee_echo("[rank3]: RuntimeError: boom")
+    assert not tee_echo("2026-11-29 12:00:00,100 ERROR [default0] is a queue name here")
