@@ -161,9 +161,8 @@ def render_text(d: dict[str, Any]) -> str:
         if first_text:
             out.append(f"  line       {first_text[-1][:200]}")
         out.extend(_chain(d.get("chain")))
-    elif d["verdict"] == "failed" and d.get("scope") == "job" and not d.get("stall"):
         out.extend(_node_history(d.get("node_history")))
-    elif d["verdict"] == "failed" and d.get("scope") == "job":
+    elif d["verdict"] == "failed" and d.get("scope") == "job" and not d.get("stall"):
         shared = [c for c in d.get("candidates", []) if c.get("rule") == rc.get("rule")]
         ranks = sorted({c["rank"] for c in shared if c.get("rank") is not None})
         out.append("")
