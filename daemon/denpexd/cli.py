@@ -24,6 +24,8 @@ and which of the other errors are only collateral.
 
   denpexd diagnose LOGDIR              post-mortem diagnosis of a directory of rank logs
   denpexd diagnose LOGDIR --format json
+  denpexd diagnose LOGDIR --format markdown --html report.html
+                                       an issue's Markdown, and a self-contained HTML picture
   denpexd rules test                   self-test the signature library
   denpexd serve                        live correlator: embedded MQTT broker, HTTP API, /metrics
   denpexd query --job ID               the live diagnosis of a job from a running `serve`
@@ -72,7 +74,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     d.add_argument("paths", nargs="+", metavar="PATH", help="log directories or files of one job")
     d.add_argument("--job", help="job id to report (default: the name of the first PATH)")
-    d.add_argument("--format", choices=("text", "json"), default="text", help="output format (default: text)")
+    d.add_argument(
+        "--format",
+        choices=("text", "json", "markdown"),
+        default="text",
+        help="output format: text (default), json (docs/diagnosis-json.md) or markdown (GitHub-flavoured, "
+        "to paste into an issue: summary table, chain, root cause, collateral, clocks, evidence folded)",
+    )
+    d.add_argument(
+        "--html",
+        metavar="FILE",
+        help="also write the picture of the failure to FILE: one self-contained HTML page (no network) "
+        "with a swimlane per rank on the aligned time axis, the root cause, fix, verify and evidence",
+    )
     d.add_argument(
         "--rules", metavar="DIR", help="rule library folder or file (default: the bundled library)"
     )
@@ -172,6 +186,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     q.add_argument(
         "--json", action="store_true", help="print JSON (for --job the diagnosis, docs/diagnosis-json.md)"
+    )
+    q.add_argument(
+        "--format",
+        choices=("text", "json", "markdown"),
+        default=None,
+        help="output format: text (default), json (as --json) or, with --job, markdown (GitHub-flavoured)",
     )
     q.add_argument(
         "--server",

@@ -1,4 +1,5 @@
-"""`denpexd diagnose PATH...`: the reader and the engine in one process, no broker."""
+"""`denpexd diagnose PATH...`: the reader and the engine in one process, no broker; the diagnosis
+printed as text, JSON or Markdown, and drawn as an HTML page with `--html`."""
 
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ from denpex_agent.rules import RuleSet, load_rules
 from denpexd import divergence
 from denpexd.engine import Engine
 from denpexd.errors import DenpexdError
+from denpexd.htmlreport import render_html
+from denpexd.markdown import render_markdown
 from denpexd.report import render_text
 
 PROGRESS_MIN_BYTES = 64 << 20
@@ -140,6 +143,13 @@ def run(args: argparse.Namespace) -> int:
     if args.context_lines < 0:
         print("denpexd diagnose: --context-lines must be >= 0", file=sys.stderr)
         return 2
+    html_path = getattr(args, "html", None)
+    if html_path is not None and not _writable_target(Path(html_path)):
+        print(
+            f"denpexd diagnose: --html {html_path}: cannot write there (no such directory, or a directory)",
+            file=sys.stderr,
+        )
+        return 2
     try:
         rules = load_rules(args.rules) if args.rules else load_rules()
     except RuleError as exc:
@@ -160,10 +170,26 @@ def run(args: argparse.Namespace) -> int:
     except (LayoutError, NoLogFiles, ControlError) as exc:
         print(f"denpexd diagnose: {exc}", file=sys.stderr)
         return 2
+    if html_path is not None:
+        page = render_html(result).encode()
+        try:
+            Path(html_path).write_bytes(page)
+        except OSError as exc:
+            print(f"denpexd diagnose: --html {html_path}: {exc.strerror or exc}", file=sys.stderr)
+            return 1
+        print(f"denpexd diagnose: wrote {html_path} ({len(page) / 1024:.0f} KiB)", file=sys.stderr)
     if args.format == "json":
         sys.stdout.buffer.write(orjson.dumps(result, option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS))
         sys.stdout.buffer.write(b"\n")
+    elif args.format == "markdown":
+        sys.stdout.write(render_markdown(result))
     else:
         sys.stdout.write(render_text(result))
     sys.stdout.flush()
     return 0
+
+
+def _writable_target(path: Path) -> bool:
+    """Whether ``path`` can be a file we write: not a directory, in a directory that exists."""
+    parent = path.parent if str(path.parent) else Path(".")
+    return not path.is_dir() and parent.is_dir() and os.access(parent, os.W_OK)

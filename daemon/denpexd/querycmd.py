@@ -1,6 +1,7 @@
 """`denpexd query`: ask a running `denpexd serve` over its HTTP API.
 
-`--job ID` prints the same report as `denpexd diagnose` (`report.render_text`), `--json` the
+`--job ID` prints the same report as `denpexd diagnose` (`report.render_text`; with
+`--format markdown` the Markdown of `markdown.render_markdown`), `--json` (or `--format json`) the
 diagnosis document (docs/diagnosis-json.md), `--jobs` the recent jobs with their verdicts and
 initiators; with `--control HEALTHY_JOB`, the job's first divergence from that healthy job
 (`divergence.py`), compared over the lines the daemon stored for both jobs (their events and the
@@ -25,6 +26,7 @@ from denpex_agent import wire
 from denpex_agent.redact import Redactor, redact_url
 from denpexd import divergence, nodehistory
 from denpexd.errors import QueryError
+from denpexd.markdown import render_markdown
 from denpexd.report import render_text
 
 DEFAULT_SERVER = "http://127.0.0.1:8080"
@@ -180,6 +182,13 @@ def run(args: argparse.Namespace, redact: Redactor | None = None) -> int:
     if not timeout_s > 0:
         print("denpexd query: --timeout must be > 0", file=sys.stderr)
         return 2
+    fmt = _format(args)
+    if fmt is None:
+        print("denpexd query: --json and --format text/markdown disagree; give one of them", file=sys.stderr)
+        return 2
+    if fmt == "markdown" and not args.job:
+        print("denpexd query: --format markdown goes with --job", file=sys.stderr)
+        return 2
     try:
         server = server_url(args.server or os.environ.get("DENPEX_SERVER") or DEFAULT_SERVER)
     except QueryError as exc:
@@ -188,14 +197,14 @@ def run(args: argparse.Namespace, redact: Redactor | None = None) -> int:
     try:
         if nodes:
             doc = asyncio.run(fetch(server, f"/api/v1/nodes?limit={last}", token, timeout_s))
-            if args.json:
+            if fmt == "json":
                 _dump(doc)
             else:
                 sys.stdout.write(render_nodes(doc))
             return 0
         if args.jobs:
             doc = asyncio.run(fetch(server, "/api/v1/jobs", token, timeout_s))
-            if args.json:
+            if fmt == "json":
                 _dump(doc)
             else:
                 sys.stdout.write(render_jobs(doc["jobs"]))
@@ -207,12 +216,22 @@ def run(args: argparse.Namespace, redact: Redactor | None = None) -> int:
     except QueryError as exc:
         print(redact(f"denpexd query: {exc}"), file=sys.stderr)
         return 1
-    if args.json:
+    if fmt == "json":
         _dump(doc)
+    elif fmt == "markdown":
+        sys.stdout.write(render_markdown(doc))
     else:
         sys.stdout.write(render_text(doc))
     sys.stdout.flush()
     return 0
+
+
+def _format(args: argparse.Namespace) -> str | None:
+    """``--format``, with ``--json`` its older spelling of json; None when the two disagree."""
+    fmt = getattr(args, "format", None)
+    if args.json:
+        return "json" if fmt in (None, "json") else None
+    return fmt or "text"
 
 
 def _dump(doc: Any) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 import time
 import uuid
@@ -59,9 +60,15 @@ async def test_api_token_ids_events_and_query(tmp_path: Path, library: RuleSet) 
         rc, out, err = await _cli("query", "--job", job, "--server", daemon.url)
         assert rc == 1 and "401" in err
         env = {"DENPEX_API_TOKEN": tok, "DENPEX_SERVER": daemon.url, "PATH": "/usr/bin:/bin"}
+        env["PYTHONPATH"] = os.environ.get("PYTHONPATH", "")
         rc, out, err = await _cli("query", "--job", job, env=env)
         assert rc == 0, err
         assert f"job {job}: FAILED" in out and "host-b" in out
+        rc, out, err = await _cli("query", "--job", job, "--format", "markdown", env=env)
+        assert rc == 0, err
+        assert out.startswith(f"## Denpex: job `{job}`: FAILED") and "| `host-b` | **2** |" in out
+        rc, out, err = await _cli("query", "--job", job, "--json", "--format", "markdown", env=env)
+        assert rc == 2 and "--format" in err
         rc, out, err = await _cli("query", "--jobs", env=env)
         assert rc == 0 and job in out and "node host-b rank 2" in out
         assert await daemon.stop() == 0
