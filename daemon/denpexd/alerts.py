@@ -153,7 +153,7 @@ def build_alert(job: str, doc: dict[str, Any], starts: float, generator: str) ->
             "query": f"denpexd query --job {job}",
         },
         "startsAt": format_iso(starts),
-        "generatorURL": f"{generator}/api/v1/jobs/{job}",
+        "generatorURL": f"{generator}/jobs/{job}",
     }
 
 

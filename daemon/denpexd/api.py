@@ -10,12 +10,20 @@ processing raised (kept, acknowledged, newest first). `/api/v1/nodes?limit=` ran
 that initiated hardware and communication failures in the last `limit` jobs (`nodehistory`).
 Reads go to the store's reader connection:
 a busy writer does not hold them back.
+
+Two pages for people: `/jobs` (the job list) and `/jobs/<id>` (the diagnosis drawn as `diagnose
+--html` draws it, polling for its newer versions: the page's ETag is the document's hash, an
+unchanged job answers 304). A browser cannot send the bearer header when it navigates, so these
+two also take the token once as `?token=` (kept in an HttpOnly, same-site cookie for the page's
+polls) and answer with `Referrer-Policy: no-referrer` and a content policy that allows no
+network access beyond the page's own origin.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import hmac
 import logging
 import re
@@ -32,6 +40,7 @@ from denpex_agent.events import KINDS
 from denpexd import nodehistory
 from denpexd.config import split_listen
 from denpexd.errors import HttpError
+from denpexd.htmlreport import render_html, render_job_list
 from denpexd.jobs import JobTable
 from denpexd.store import Store
 
@@ -41,6 +50,9 @@ log = logging.getLogger(__name__)
 FLUSH_WAIT_S = 0.25
 
 MAX_EVENTS = 10_000
+PAGE_JOBS = 500  # jobs the /jobs page lists
+PAGE_POLL_MS = 2000  # how often a live job page asks whether its job changed
+TOKEN_COOKIE = "denpex_token"
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -50,6 +62,17 @@ def _json(data: Any, status: int = 200) -> web.Response:
         status=status,
         content_type="application/json",
     )
+
+
+def _page(html: str) -> web.Response:
+    resp = web.Response(text=html, content_type="text/html", charset="utf-8")
+    resp.headers["Cache-Control"] = "no-store"
+    resp.headers["Referrer-Policy"] = "no-referrer"  # a ?token= never leaves in a Referer
+    resp.headers["Content-Security-Policy"] = (
+        "default-src 'none'; style-src 'unsafe-inline'; script-src 'unsafe-inline'; img-src data:; "
+        "connect-src 'self'"
+    )
+    return resp
 
 
 def _error(status: int, message: str) -> web.Response:
@@ -97,6 +120,8 @@ class Api:
         app.router.add_get("/api/v1/jobs/{job}/events", self.events)
         app.router.add_get("/api/v1/dead-letters", self.dead_letters)
         app.router.add_get("/api/v1/nodes", self.nodes)
+        app.router.add_get("/jobs", self.page_jobs)
+        app.router.add_get("/jobs/{job}", self.page_job)
         return app
 
     async def __aenter__(self) -> Self:
@@ -125,11 +150,23 @@ class Api:
 
     @web.middleware
     async def _auth(self, request: web.Request, handler: Handler) -> web.StreamResponse:
-        if self.token and not request.path.startswith("/-/"):
-            given = request.headers.get("Authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {self.token}".encode()):
-                return _error(401, "missing or wrong bearer token")
-        return await handler(request)
+        if not self.token or request.path.startswith("/-/"):
+            return await handler(request)
+        given = request.headers.get("Authorization", "")
+        if hmac.compare_digest(given.encode(), f"Bearer {self.token}".encode()):
+            return await handler(request)
+        if request.path == "/jobs" or request.path.startswith("/jobs/"):
+            # a browser cannot send a bearer header on navigation: the pages also take the token
+            # once as ?token= (then kept in an HttpOnly same-site cookie) or from that cookie
+            query = request.query.get("token", "")
+            cookie = request.cookies.get(TOKEN_COOKIE, "")
+            for candidate in (query, cookie):
+                if candidate and hmac.compare_digest(candidate.encode(), self.token.encode()):
+                    resp = await handler(request)
+                    if query:
+                        resp.set_cookie(TOKEN_COOKIE, query, httponly=True, samesite="Strict", path="/jobs")
+                    return resp
+        return _error(401, "missing or wrong bearer token")
 
     async def healthy(self, request: web.Request) -> web.Response:
         return web.Response(text="ok\n")
@@ -211,6 +248,33 @@ class Api:
             return _error(400, f"limit must be between 1 and {nodehistory.MAX_JOBS}")
         failures, jobs = await self.store.failures(limit)
         return _json({"limit": limit, **nodehistory.ranking(failures, jobs)})
+
+    async def page_jobs(self, request: web.Request) -> web.Response:
+        """The job list as a page, newest first, each linked to its live page."""
+        rows = await self.store.list_jobs(PAGE_JOBS)
+        for row in rows:
+            row["open"] = row["job"] in self.table.jobs
+        return _page(render_job_list(rows))
+
+    async def page_job(self, request: web.Request) -> web.Response:
+        """One job's diagnosis as a live page: the same document the API returns, drawn as
+        `diagnose --html` draws it, with a version (its ETag) the page polls for."""
+        job = self._job_id(request)
+        if job is None:
+            return _error(400, "invalid job id")
+        doc = await self.table.current(job)
+        if doc is None:
+            doc = await self.store.diagnosis(job)
+        if doc is None:
+            return _error(404, f"unknown job {job}")
+        version = hashlib.blake2b(
+            orjson.dumps(doc, option=orjson.OPT_NON_STR_KEYS), digest_size=12
+        ).hexdigest()
+        if request.headers.get("If-None-Match") == version:
+            return web.Response(status=304, headers={"ETag": version})
+        resp = _page(render_html(doc, live={"version": version, "poll_ms": PAGE_POLL_MS}))
+        resp.headers["ETag"] = version
+        return resp
 
     async def dead_letters(self, request: web.Request) -> web.Response:
         try:

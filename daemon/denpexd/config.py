@@ -32,6 +32,9 @@ class ServeConfig:
     mqtt_listen: str = "127.0.0.1:1883"  # the embedded broker's address (unused with `broker`)
     broker: str | None = None  # mqtt[s]://user:pass@host:port of an external broker
     http_listen: str = "127.0.0.1:8080"
+    # where people reach the HTTP API (behind a proxy, say): the alerts' generatorURL points to
+    # <external_url>/jobs/<job>; default http://<http_listen>
+    external_url: str | None = None
     data_dir: str = "denpex-data"
     rules: str | None = None  # rule library folder; None = the bundled one
     client_id: str = "denpexd"
@@ -194,6 +197,10 @@ def _validate(cfg: ServeConfig) -> ServeConfig:
             raise ConfigError("shared_group", "use 1-64 of A-Z a-z 0-9 _ -")
         if cfg.broker is None:
             raise ConfigError("shared_group", "needs --broker: replicas share an external broker")
+    if cfg.external_url is not None and (
+        urlsplit(cfg.external_url).scheme not in ("http", "https") or not urlsplit(cfg.external_url).netloc
+    ):
+        raise ConfigError("external_url", f"expected an http(s) URL, got {cfg.external_url!r}")
     if cfg.alertmanager is not None and urlsplit(cfg.alertmanager).scheme not in ("http", "https"):
         raise ConfigError("alertmanager", f"expected an http(s) URL, got {cfg.alertmanager!r}")
     for key in (

@@ -943,8 +943,37 @@ footer{margin-top:32px;color:var(--muted);font-size:12px}
 """
 
 
-def render_html(doc: dict[str, Any]) -> str:
-    """The whole page for one diagnosis document."""
+# The live page (`denpexd serve` at /jobs/<id>): every few seconds it asks for itself again with
+# the version it shows (If-None-Match); an unchanged job answers 304, a changed one the new page,
+# whose <main> replaces the old. Same origin, the browser's own credentials (the token cookie).
+_LIVE_JS = """
+(function () {
+  var main = document.querySelector("main"), version = main.dataset.version;
+  function poll() {
+    fetch(location.pathname, {headers: {"If-None-Match": version}, credentials: "same-origin",
+                              cache: "no-store"})
+      .then(function (r) {
+        if (r.status !== 200) { return null; }
+        return r.text();
+      })
+      .then(function (text) {
+        if (text) {
+          var next = new DOMParser().parseFromString(text, "text/html").querySelector("main");
+          if (next) { main.replaceWith(next); main = next; version = next.dataset.version; }
+        }
+      })
+      .catch(function () {})
+      .finally(function () { setTimeout(poll, POLL_MS); });
+  }
+  setTimeout(poll, POLL_MS);
+})();
+"""
+
+
+def render_html(doc: dict[str, Any], *, live: dict[str, Any] | None = None) -> str:
+    """The whole page for one diagnosis document. ``live``: served by `denpexd serve`, the page
+    polls for its newer versions (``version``: this one's, ``poll_ms``: how often), with a link
+    to the job list."""
     job = str(doc.get("job", ""))
     verdict = str(doc.get("verdict", ""))
     ini = doc.get("initiator")
@@ -956,7 +985,9 @@ def render_html(doc: dict[str, Any]) -> str:
         f"<title>{esc(job)}: {esc(verdict)} (Denpex)</title>",
         f"<style>{_CSS}</style></head><body>",
         _SYMBOLS,
-        f'<main data-job="{esc(job)}" data-verdict="{esc(verdict)}">',
+        f'<main data-job="{esc(job)}" data-verdict="{esc(verdict)}"'
+        + (f' data-version="{esc(live["version"])}" data-live="1">' if live else ">"),
+        '<nav><a href="/jobs">all jobs</a> · updates itself while the job runs</nav>' if live else "",
         f'<h1>Job <code>{esc(job)}</code> <span class="verdict v-{esc(verdict)}">{esc(verdict)}</span></h1>',
         f'<p class="lede">{lede}</p>' if ini else "",
         _summary(doc),
@@ -973,6 +1004,34 @@ def render_html(doc: dict[str, Any]) -> str:
         _clocks(doc.get("clock") or {}),
         _evidence(doc.get("evidence")),
         f"<footer>{_read(doc.get('read'))}<p>Denpex diagnosis of job <code>{esc(job)}</code>.</p></footer>",
-        "</main></body></html>",
+        "</main>",
+        f"<script>{_LIVE_JS.replace('POLL_MS', str(int(live['poll_ms'])))}</script>" if live else "",
+        "</body></html>",
     ]
     return "\n".join(p for p in parts if p) + "\n"
+
+
+def render_job_list(rows: list[dict[str, Any]]) -> str:
+    """The live job list (`denpexd serve` at /jobs): newest first, each linked to its page."""
+    body = "".join(
+        "<tr>"
+        f'<td><a href="/jobs/{esc(r.get("job"))}"><code>{esc(r.get("job"))}</code></a></td>'
+        f'<td><span class="verdict v-{esc(r.get("verdict"))}">{esc(r.get("verdict"))}</span></td>'
+        f"<td>{esc(_initiator_cell(r))}</td>"
+        f"<td>{'open' if r.get('open') else 'closed'}</td>"
+        "</tr>"
+        for r in rows
+    )
+    return (
+        '<!DOCTYPE html><html lang="en"><head><meta charset="utf-8">'
+        '<meta name="viewport" content="width=device-width, initial-scale=1">'
+        f"<title>Jobs (Denpex)</title><style>{_CSS}</style></head><body><main>"
+        f'<h1>Jobs</h1><table class="jobs"><thead><tr><th>job</th><th>verdict</th><th>first failure</th>'
+        f"<th>state</th></tr></thead><tbody>{body}</tbody></table></main></body></html>\n"
+    )
+
+
+def _initiator_cell(row: dict[str, Any]) -> str:
+    if row.get("initiator_node") is None:
+        return ""
+    return f"node {row['initiator_node']} rank {row.get('initiator_rank')} ({row.get('category') or '?'})"

@@ -114,6 +114,7 @@ class App:
             for state in self.table.jobs.values():
                 state.engine.rules = new.rules
             self.table.alerter.repeat_s = new.cfg.alert_repeat_s
+            self.table.alerter.generator = _generator(new.cfg)
         self.metrics.reloads.labels("ok").inc()
         log.info("reloaded configuration and rules rules=%d", len(new.rules))
 
@@ -155,7 +156,7 @@ class App:
             if cfg.alertmanager:
                 sinks.append(await stack.enter_async_context(AlertmanagerSink(cfg.alertmanager)))
             alerter = Alerter(
-                store, self.metrics, sinks, generator=f"http://{cfg.http_listen}", repeat_s=cfg.alert_repeat_s
+                store, self.metrics, sinks, generator=_generator(cfg), repeat_s=cfg.alert_repeat_s
             )
             table = self.table = JobTable(cfg, self.loaded.rules, store, self.metrics, alerter)
             alerter.gate = table.alert_wait
@@ -237,3 +238,8 @@ def run_serve(loader: Loader, *, set_aside_damaged_store: bool = False) -> None:
         asyncio.run(app.run())
     except asyncio.CancelledError:
         log.warning("stopped by a second signal without draining")
+
+
+def _generator(cfg: ServeConfig) -> str:
+    """Where alerts point people (their generatorURL's base): `external_url`, else the HTTP API."""
+    return (cfg.external_url or f"http://{cfg.http_listen}").rstrip("/")
