@@ -5,8 +5,10 @@ new recording is picked up by itself) is replayed into fresh files through real 
 processes (one per node directory) and a real `denpexd serve`, under four write patterns
 (livereplay.py: ``paced``, ``split`` mid-line and mid-record with random pauses, ``catchup``
 with the files complete before the agents start, ``kill9`` with every agent SIGKILLed halfway and
-resumed from its checkpoints; a ``_skew`` copy of a job runs paced and split) and two brokers (the embedded one, and Mosquitto on 127.0.0.1:1883
-with a persistent session). Once the writers are done and the live diagnosis has settled,
+resumed from its checkpoints; a ``_skew`` copy of a job runs paced and split, a ``_control`` job,
+a healthy run of a failure case's job, split) and two brokers (the embedded one, and Mosquitto on
+127.0.0.1:1883 with a persistent session). Once the writers are done and the live diagnosis has
+settled,
 `denpexd query --json` must equal `denpexd diagnose <original dir> --format json` on verdict,
 initiator node/rank/rule, root-cause category, collateral ranks and the NaN fingerprint (stage,
 first rank, ranks); the first alert must name diagnose's initiator (else the time until it was
@@ -58,10 +60,22 @@ Case = tuple[str, str, str]  # (job, variant, broker)
 # A `_skew` copy is its base job with shifted clocks: the read timing the catchup and kill9
 # variants vary is the base job's, replayed in those; the copy runs paced and split.
 SKEW_VARIANTS = ("paced", "split")
+# A `_control` job is a healthy run of a failure case's own job (for --control): its lines are
+# the base job's up to the failure, already replayed in every variant; it runs split, the
+# variant that cuts reads at the most places.
+CONTROL_VARIANTS = ("split",)
+
+
+def _variants(job: str) -> tuple[str, ...]:
+    if job.endswith("_skew"):
+        return SKEW_VARIANTS
+    return CONTROL_VARIANTS if job.endswith("_control") else VARIANTS
+
+
 CASES = [
     pytest.param(job, variant, broker, id=f"{job}-{variant}-{broker}")
     for job in corpus_jobs()
-    for variant in (SKEW_VARIANTS if job.endswith("_skew") else VARIANTS)
+    for variant in _variants(job)
     for broker in BROKERS
 ]
 PARAMS = ("job", "variant", "broker")
