@@ -195,7 +195,8 @@ class Api:
         job = request.match_info["job"]
         return job if wire.valid_id(job) else None
 
-    async def job(self, request: web.Request) -> web.Response:
+    async def _diagnosis(self, request: web.Request) -> dict[str, Any] | web.Response:
+        """The requested job's diagnosis (open: current; closed: stored), or the error to answer."""
         job = self._job_id(request)
         if job is None:
             return _error(400, "invalid job id")
@@ -204,7 +205,11 @@ class Api:
             doc = await self.store.diagnosis(job)
         if doc is None:
             return _error(404, f"unknown job {job}")
-        return _json(doc)
+        return doc
+
+    async def job(self, request: web.Request) -> web.Response:
+        doc = await self._diagnosis(request)
+        return doc if isinstance(doc, web.Response) else _json(doc)
 
     async def events(self, request: web.Request) -> web.Response:
         job = self._job_id(request)
@@ -259,14 +264,9 @@ class Api:
     async def page_job(self, request: web.Request) -> web.Response:
         """One job's diagnosis as a live page: the same document the API returns, drawn as
         `diagnose --html` draws it, with a version (its ETag) the page polls for."""
-        job = self._job_id(request)
-        if job is None:
-            return _error(400, "invalid job id")
-        doc = await self.table.current(job)
-        if doc is None:
-            doc = await self.store.diagnosis(job)
-        if doc is None:
-            return _error(404, f"unknown job {job}")
+        doc = await self._diagnosis(request)
+        if isinstance(doc, web.Response):
+            return doc
         version = hashlib.blake2b(
             orjson.dumps(doc, option=orjson.OPT_NON_STR_KEYS), digest_size=12
         ).hexdigest()

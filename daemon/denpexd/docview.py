@@ -126,3 +126,13 @@ def stage_ranks(per_rank: dict[str, str]) -> dict[str, list[int]]:
         if rank.lstrip("-").isdigit():
             out.setdefault(stage, []).append(int(rank))
     return {stage: sorted(ranks) for stage, ranks in out.items()}
+
+
+def chain_lag(then: dict[str, Any]) -> str:
+    """How much later the other ranks failed, in steps and seconds ("" when unknown)."""
+    lag = []
+    if then.get("lag_steps"):
+        lag.append(f"{then['lag_steps']} step(s)")
+    if "lag_s" in then:
+        lag.append(f"{then['lag_s']:.3f} s")
+    return " / ".join(lag)

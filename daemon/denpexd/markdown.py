@@ -21,6 +21,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from denpexd.docview import (
+    chain_lag,
     collateral_by_rule,
     evidence_lines,
     last_line,
@@ -200,12 +201,8 @@ def _chain(chain: dict[str, Any] | None) -> list[str]:
         rows.append(_chain_row("its first error", chain["first_error"]))
     then = chain.get("then")
     if then:
-        lag = []
-        if then.get("lag_steps"):
-            lag.append(f"{then['lag_steps']} step(s)")
-        if "lag_s" in then:
-            lag.append(f"{then['lag_s']:.3f} s")
-        label = f"then {then['ranks']} other rank(s) failed" + (f", {' / '.join(lag)} later" if lag else "")
+        lag = chain_lag(then)
+        label = f"then {then['ranks']} other rank(s) failed" + (f", {lag} later" if lag else "")
         rows.append(_chain_row(label, then["first"]))
     body = table(["", "time (aligned)", "step", "node", "rank", "rule", "line"], rows)
     if chain.get("summary"):

@@ -5,6 +5,8 @@ from __future__ import annotations
 import textwrap
 from typing import Any
 
+from denpexd.docview import chain_lag
+
 EVIDENCE_LINES = 12
 DIVERGENT_RANKS_SHOWN = 8
 
@@ -43,14 +45,10 @@ def _chain(chain: dict[str, Any] | None) -> list[str]:
         out.append(f"  its error  {at(err)}  {err['rule']}")
     then = chain.get("then")
     if then:
-        lag = []
-        if then.get("lag_steps"):
-            lag.append(f"{then['lag_steps']} step(s)")
-        if "lag_s" in then:
-            lag.append(f"{then['lag_s']:.3f} s")
+        lag = chain_lag(then)
         out.append(
             f"  then       {at(then['first'])}  {then['ranks']} other rank(s) failed"
-            + (f", {' / '.join(lag)} later" if lag else "")
+            + (f", {lag} later" if lag else "")
             + f": {', '.join(then['rules'][:4])}"
         )
     return out
