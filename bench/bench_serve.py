@@ -8,8 +8,10 @@ so that the broker's defaults (20 messages in flight, 1,000 queued) are not what
 Phase 1 (throughput): every rank publishes progress events for STEPS steps as fast as the
 publishers can, batched per node as agents do; the daemon's CPU seconds come from
 /proc/<pid>/stat, so events per CPU second is its sustained rate on one core. Baseline in the
-same run: the reference validator (`wire.decode_batch`) alone on the same kind of batch, timed
-in this process just before and just after phase 1 (`reference_events_per_cpu_s`); the ratio
+same run: the reference validator (the hand validator from before msgspec, kept unchanged in
+bench_wire.py as `hand_decode_batch` so that the baseline stays comparable across rounds) alone on
+the same kind of batch, timed in this process just before and just after phase 1
+(`reference_events_per_cpu_s`); the ratio
 of the two says how the daemon did independently of how fast the shared machine was just then.
 Phase 2 (latency): TRIALS fresh jobs of 4,096 ranks each get a few steps of progress (a burst of
 5 x 4,096 events), then, right behind that burst, a failure cascade: one rank's CUDA OOM (root
@@ -50,6 +52,7 @@ from typing import Any
 import aiomqtt
 import orjson
 
+from bench_wire import hand_decode_batch  # bench/ is on the path when run as python bench/NAME.py
 from denpex_agent import wire
 from denpex_agent.events import Event
 
@@ -146,7 +149,8 @@ async def _wait_ingested(url: str, base: float, sent: int) -> None:
 
 
 def reference_rate(seconds: float = 1.0) -> float:
-    """Events per CPU second of the reference validator (`wire.decode_batch`) on phase 1's
+    """Events per CPU second of the reference validator (`bench_wire.hand_decode_batch`, the hand
+    validator the product used before msgspec, kept fixed as a yardstick) on phase 1's
     batches, in this process: the same-script baseline that tells how fast the machine is just
     now (on a shared machine the same code varies by 1.5-2x from hour to hour)."""
     evs = [progress("job-ref", "n000", r, r % 8, s, 1.8e9 + s * 0.5) for s in range(5) for r in range(8)]
@@ -154,7 +158,7 @@ def reference_rate(seconds: float = 1.0) -> float:
     n, c0 = 0, time.process_time()
     while time.process_time() - c0 < seconds:
         for _ in range(50):
-            wire.decode_batch(payload, topic_job="job-ref")
+            hand_decode_batch(payload, topic_job="job-ref")
         n += 50 * len(evs)
     return n / (time.process_time() - c0)
 

@@ -1,7 +1,8 @@
 """The MQTT wire protocol between agents and the correlator: topics, payloads, validation.
 
 Both sides use this module (the daemon imports it; the agent never imports the daemon), so an
-encoder and its validator cannot drift apart. Payloads are orjson, versioned with ``"v": 1``.
+encoder and its validator cannot drift apart. Payloads are JSON, versioned with ``"v": 1``, written
+with orjson; a batch is read and validated in one pass by msgspec, into the typed structs below.
 See agents/README.md for the prose description.
 """
 
@@ -9,11 +10,14 @@ from __future__ import annotations
 
 import math
 import re
+import sys
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, TypeGuard
+from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeGuard
 
+import msgspec
 import orjson
+from msgspec import Meta
 
 from denpex_agent.errors import DenpexAgentError
 from denpex_agent.events import KINDS, TS_SOURCES, Event
@@ -38,7 +42,10 @@ MAX_FIELD_TEXT = 1024
 MAX_CLOCK_OFFSET_S = 86_400.0  # an agent's clock offset and its uncertainty: at most a day
 _CLOCK_FIELDS = ("clock_offset_s", "clock_uncertainty_s")
 
-_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@=-]{0,127}$")
+# Job, node and agent ids: no '/', '+', '#' (topic levels and wildcards), no '..', no leading dot
+_ID_PATTERN = r"^(?!.*\.\.)[A-Za-z0-9][A-Za-z0-9._:@=-]{0,127}\Z"
+_ID_RE = re.compile(_ID_PATTERN)
+_ID_RULE = f"use 1-{MAX_ID_LEN} of A-Z a-z 0-9 . _ : @ = - (no '/', '+', '#', '..')"
 
 
 class WireError(DenpexAgentError):
@@ -53,15 +60,13 @@ class WireError(DenpexAgentError):
 
 def valid_id(value: object) -> bool:
     """Job, node and agent ids: 1-128 of ``[A-Za-z0-9._:@=-]``, no ``/ + #``, no leading dot."""
-    return isinstance(value, str) and _ID_RE.match(value) is not None and ".." not in value
+    return isinstance(value, str) and _ID_RE.match(value) is not None
 
 
 def check_id(kind: str, value: object) -> str:
     if not valid_id(value):
         shown = repr(value)[:80]
-        raise WireError(
-            f"invalid {kind} id {shown}: use 1-{MAX_ID_LEN} of A-Z a-z 0-9 . _ : @ = - (no '/', '+', '#', '..')"
-        )
+        raise WireError(f"invalid {kind} id {shown}: {_ID_RULE}")
     assert isinstance(value, str)
     return value
 
@@ -198,6 +203,78 @@ def check_sender(topic: Topic, agent: str, node: str) -> None:
 
 
 # Batches -----------------------------------------------------------------------------------------
+#
+# One pass: msgspec decodes the JSON straight into the typed structs below, checking types, bounds
+# (`Meta`), enumerations (`Literal`s built from the rules' vocabularies) and, for events, that no
+# unknown key is present. What a type cannot say is checked after: the topic's job, and the clock
+# fields' bound (a day), which applies to two field names only. A `msgspec.ValidationError` is
+# turned into a `WireError` whose message and code keep `metrics.invalid_reason`'s labels.
+
+if TYPE_CHECKING:  # mypy sees plain strings; msgspec the enumerations
+    Kind = str
+    TsSource = str
+    Severity = str
+    Role = str
+    Category = str
+else:
+    Kind = Literal[KINDS]
+    TsSource = Literal[TS_SOURCES]
+    Severity = Literal[SEVERITIES]
+    Role = Literal[ROLES]
+    Category = Literal[(*CATEGORIES, PROGRESS_CATEGORY)]
+
+WireId = Annotated[str, Meta(pattern=_ID_PATTERN)]
+Count = Annotated[int, Meta(ge=0, lt=MAX_COUNTER)]  # offsets, line numbers
+RankNo = Annotated[int, Meta(ge=-1, lt=1 << 31)]
+Text = Annotated[str, Meta(max_length=MAX_TEXT)]
+FieldName = Annotated[str, Meta(max_length=64)]
+FieldValue = (
+    bool
+    | Annotated[int, Meta(ge=-MAX_FIELD_INT, le=MAX_FIELD_INT)]
+    | Annotated[float, Meta(ge=-MAX_FIELD_FLOAT, le=MAX_FIELD_FLOAT)]
+    | Annotated[str, Meta(max_length=MAX_FIELD_TEXT)]
+    | None
+)
+_FLOAT_MAX = sys.float_info.max  # a finite float: JSON has no NaN, and this refuses an overflow
+
+
+class WireEvent(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, gc=False):
+    """An event as it travels (job and node are the batch's): every key the protocol knows,
+    with the bounds a receiver enforces; any other key is refused."""
+
+    id: Annotated[str, Meta(min_length=1, max_length=MAX_ID_LEN)]
+    kind: Kind
+    offset: Count
+    line_no: Count
+    rank: RankNo | None = None
+    local_rank: RankNo | None = None
+    file: Annotated[str, Meta(max_length=4096)] = ""
+    ts: Annotated[float, Meta(ge=TS_MIN, lt=TS_MAX)] | None = None
+    ts_source: TsSource = "none"
+    rule: Annotated[str, Meta(max_length=64)] | None = None
+    severity: Severity | None = None
+    role: Role | None = None
+    category: Category | None = None
+    text: Text = ""
+    context: Annotated[list[Text], Meta(max_length=MAX_CONTEXT_LINES)] = []
+    fields: Annotated[dict[FieldName, FieldValue], Meta(max_length=MAX_FIELDS)] = {}
+
+
+class WireBatch(msgspec.Struct, kw_only=True, gc=False):
+    """A batch as it travels; keys it does not know are ignored (a later revision may add some)."""
+
+    v: Literal[1]  # VERSION
+    agent: WireId
+    job: WireId
+    node: WireId
+    sent_at: Annotated[float, Meta(ge=-_FLOAT_MAX, le=_FLOAT_MAX)]
+    events: Annotated[list[WireEvent], Meta(max_length=MAX_EVENTS)]
+    seq: Annotated[int, Meta(ge=0)] = 0
+    behind: Annotated[int, Meta(ge=0, lt=MAX_BEHIND)] = 0
+
+
+_DECODER = msgspec.json.Decoder(WireBatch)
+_CLOCK_OFFSET, _CLOCK_UNCERTAINTY = _CLOCK_FIELDS
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,12 +286,6 @@ class Batch:
     seq: int
     events: list[Event]
     behind: int = 0  # bytes the agent had still to read when it read these events (catching up)
-
-
-_EVENT_KEYS = (
-    "id", "kind", "rank", "local_rank", "file", "offset", "line_no", "ts", "ts_source",
-    "rule", "severity", "role", "category", "text", "context", "fields",
-)  # fmt: skip
 
 
 def event_to_wire(ev: Event) -> dict[str, Any]:
@@ -257,156 +328,93 @@ def encode_batch(
 
 
 def decode_batch(payload: bytes, topic_job: str | None = None) -> Batch:
-    """Parse and validate a batch; raise `WireError` naming the first problem found."""
+    """Parse and validate a batch in one pass; raise `WireError` naming the problem found."""
     if len(payload) > MAX_BATCH_BYTES:
         raise WireError(f"payload of {len(payload)} bytes exceeds {MAX_BATCH_BYTES}")
     try:
-        doc = orjson.loads(payload)
-    except orjson.JSONDecodeError as exc:
-        raise WireError(f"not JSON: {exc}") from exc
-    if not isinstance(doc, dict):
-        raise WireError("payload is not a JSON object")
-    if doc.get("v") != VERSION:
-        raise WireError(f"unsupported version {doc.get('v')!r} (expected {VERSION})")
-    agent = check_id("agent", doc.get("agent"))
-    job = check_id("job", doc.get("job"))
-    node = check_id("node", doc.get("node"))
+        doc = _DECODER.decode(payload)
+    except msgspec.ValidationError as exc:
+        raise _invalid(str(exc)) from None
+    except msgspec.DecodeError as exc:
+        raise WireError(f"not JSON: {exc}") from None
+    job, node = doc.job, doc.node
     if topic_job is not None and job != topic_job:
         raise WireError(f"job {job!r} does not match the topic's {topic_job!r}")
-    seq = doc.get("seq", 0)
-    sent_at = doc.get("sent_at")
-    if not isinstance(seq, int) or isinstance(seq, bool) or seq < 0:
-        raise WireError("seq must be a non-negative integer")
-    if not _finite(sent_at):
-        raise WireError("sent_at must be a finite number")
-    behind = doc.get("behind", 0)
-    if not isinstance(behind, int) or isinstance(behind, bool) or not 0 <= behind < MAX_BEHIND:
-        raise WireError(f"behind must be an integer from 0 to {MAX_BEHIND - 1}")
-    raw_events = doc.get("events")
-    if not isinstance(raw_events, list):
-        raise WireError("events must be a list")
-    if len(raw_events) > MAX_EVENTS:
-        raise WireError(f"{len(raw_events)} events exceed {MAX_EVENTS}")
-    events = [_event(job, node, i, e) for i, e in enumerate(raw_events)]
-    return Batch(
-        agent=agent, job=job, node=node, sent_at=float(sent_at), seq=seq, events=events, behind=behind
-    )
-
-
-def check_field(key: object, value: object, where: str) -> None:
-    """A field is flat: a short name and a bounded scalar (no nesting); an agent's clock offset
-    and its uncertainty at most a day."""
-    if not isinstance(key, str) or len(key) > 64:
-        raise WireError(f"{where}: a field name must be a string of at most 64 chars", "field")
-    if value is None or isinstance(value, bool):
-        return
-    if isinstance(value, int):
-        if not -MAX_FIELD_INT <= value <= MAX_FIELD_INT:
-            raise WireError(f"{where}: field {key!r} is out of range", "range")
-    elif isinstance(value, float):
-        if not -MAX_FIELD_FLOAT <= value <= MAX_FIELD_FLOAT:  # also false for NaN
-            raise WireError(f"{where}: field {key!r} is out of range", "range")
-        if key in _CLOCK_FIELDS and not -MAX_CLOCK_OFFSET_S <= value <= MAX_CLOCK_OFFSET_S:
-            raise WireError(f"{where}: {key} beyond a day", "range")
-    elif isinstance(value, str):
-        if len(value) > MAX_FIELD_TEXT:
-            raise WireError(f"{where}: field {key!r} longer than {MAX_FIELD_TEXT} chars", "field")
-    else:
-        raise WireError(f"{where}: field {key!r} must be a number, a string, true/false or null", "nesting")
-    if key in _CLOCK_FIELDS and isinstance(value, int) and abs(value) > MAX_CLOCK_OFFSET_S:
-        raise WireError(f"{where}: {key} beyond a day", "range")
+    events: list[Event] = []
+    append = events.append
+    for i, e in enumerate(doc.events):
+        fields = e.fields
+        if fields and (_CLOCK_OFFSET in fields or _CLOCK_UNCERTAINTY in fields):
+            _check_clock(i, fields)
+        ev = Event(
+            e.id, e.kind, job, node, e.rank, e.local_rank, e.file, e.offset, e.line_no, e.ts,
+            e.ts_source, e.rule, e.severity, e.role, e.category, e.text, e.context, fields,
+        )  # fmt: skip
+        append(ev)
+    return Batch(doc.agent, job, node, doc.sent_at, doc.seq, events, doc.behind)
 
 
 def _finite(x: object) -> TypeGuard[float]:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
-def _opt_int(e: Mapping[str, Any], key: str, where: str) -> int | None:
-    v = e.get(key)
-    if v is None:
-        return None
-    if not isinstance(v, int) or isinstance(v, bool) or not -1 <= v < 1 << 31:
-        raise WireError(f"{where}: {key} must be an integer or null")
-    return v
+def _check_clock(i: int, fields: Mapping[str, object]) -> None:
+    """An agent's clock offset and its uncertainty: at most a day either way."""
+    for key in _CLOCK_FIELDS:
+        value = fields.get(key)
+        if (
+            isinstance(value, (int, float))
+            and not isinstance(value, bool)
+            and abs(value) > MAX_CLOCK_OFFSET_S
+        ):
+            raise WireError(f"event {i}: {key} beyond a day", "range")
 
 
-def _event(job: str, node: str, i: int, e: object) -> Event:
-    where = f"event {i}"
-    if not isinstance(e, dict):
-        raise WireError(f"{where}: not an object")
-    unknown = set(e) - set(_EVENT_KEYS)
-    if unknown:
-        raise WireError(f"{where}: unknown key(s) {sorted(unknown)[:5]}")
-    eid = e.get("id")
-    if not isinstance(eid, str) or not 1 <= len(eid) <= MAX_ID_LEN:
-        raise WireError(f"{where}: id must be a string of 1-{MAX_ID_LEN} chars")
-    kind = e.get("kind")
-    if kind not in KINDS:
-        raise WireError(f"{where}: kind must be one of {KINDS}")
-    ts = e.get("ts")
-    if ts is not None and not _finite(ts):
-        raise WireError(f"{where}: ts must be a finite number or null")
-    if ts is not None and not TS_MIN <= ts < TS_MAX:
-        raise WireError(f"{where}: ts is not a time between 2000 and 2100", "range")
-    ts_source = e.get("ts_source", "none")
-    if ts_source not in TS_SOURCES:
-        raise WireError(f"{where}: ts_source must be one of {TS_SOURCES}")
-    for key, allowed in (
-        ("severity", SEVERITIES),
-        ("role", ROLES),
-        ("category", (*CATEGORIES, PROGRESS_CATEGORY)),
-    ):
-        v = e.get(key)
-        if v is not None and v not in allowed:
-            raise WireError(f"{where}: {key} {str(v)[:40]!r} is not one of {allowed}")
-    text = e.get("text", "")
-    if not isinstance(text, str) or len(text) > MAX_TEXT:
-        raise WireError(f"{where}: text must be a string of at most {MAX_TEXT} chars")
-    context = e.get("context", [])
-    if (
-        not isinstance(context, list)
-        or len(context) > MAX_CONTEXT_LINES
-        or not all(isinstance(c, str) and len(c) <= MAX_TEXT for c in context)
-    ):
-        raise WireError(f"{where}: context must be a list of at most {MAX_CONTEXT_LINES} strings")
-    fields = e.get("fields", {})
-    if not isinstance(fields, dict) or len(fields) > MAX_FIELDS:
-        raise WireError(f"{where}: fields must be an object with at most {MAX_FIELDS} keys")
-    for key, value in fields.items():
-        check_field(key, value, where)
-    file = e.get("file", "")
-    rule = e.get("rule")
-    if not isinstance(file, str) or len(file) > 4096:
-        raise WireError(f"{where}: file must be a string")
-    if rule is not None and (not isinstance(rule, str) or len(rule) > 64):
-        raise WireError(f"{where}: rule must be a short string or null")
-    offset = e.get("offset")
-    line_no = e.get("line_no")
-    if not all(
-        isinstance(v, int) and not isinstance(v, bool) and 0 <= v < MAX_COUNTER for v in (offset, line_no)
-    ):
-        raise WireError(f"{where}: offset and line_no must be non-negative integers below 2**62")
-    assert isinstance(offset, int) and isinstance(line_no, int)
-    return Event(
-        id=eid,
-        kind=kind,
-        job=job,
-        node=node,
-        rank=_opt_int(e, "rank", where),
-        local_rank=_opt_int(e, "local_rank", where),
-        file=file,
-        offset=offset,
-        line_no=line_no,
-        ts=float(ts) if ts is not None else None,
-        ts_source=ts_source,
-        rule=rule,
-        severity=e.get("severity"),
-        role=e.get("role"),
-        category=e.get("category"),
-        text=text,
-        context=list(context),
-        fields=dict(fields),
-    )
+_EVENT_PATH = re.compile(r"\$\.events\[(\d+)\](?:\.(\w+))?")
+_TYPES = ", got `"  # how msgspec words a wrong JSON type (a broken bound says what it expected)
+
+
+def _invalid(message: str) -> WireError:
+    """msgspec's "<problem> - at `<path>`" as a `WireError` with the old validator's wording where
+    `metrics.invalid_reason` reads it (ids, version, not an object) and the bound's code (range,
+    nesting, field) where it read the code."""
+    problem, _, path = message.partition(" - at `")
+    path = path.rstrip("`")
+    key = path.startswith("key` in `")  # a field's name
+    if key:
+        path = path[len("key` in `") :]
+    if not path:  # the payload itself
+        if problem.startswith("Expected `object`"):
+            return WireError("payload is not a JSON object")
+        missing = problem.removeprefix("Object missing required field `").rstrip("`")
+        if missing == "v":
+            return WireError(f"unsupported version None (expected {VERSION})")
+        if missing in ("agent", "job", "node"):
+            return WireError(f"invalid {missing} id None: {_ID_RULE}")
+        return WireError(f"batch: {problem}")
+    if path == "$.v":
+        return WireError(f"unsupported version ({problem}; expected {VERSION})")
+    if path in ("$.agent", "$.job", "$.node"):
+        return WireError(f"invalid {path[2:]} id ({problem}): {_ID_RULE}")
+    m = _EVENT_PATH.match(path)
+    if m is None:
+        return WireError(f"{path[2:]}: {problem}")
+    where, name = f"event {m[1]}", m[2]
+    if name is None:  # the event itself: not an object, a key missing or unknown
+        return WireError(f"{where}: {problem}")
+    code = None
+    if name == "fields" and (key or path != m[0]):  # a field's name or value, not the object
+        if key:
+            code = "field"
+        elif problem.endswith((", got `array`", ", got `object`")):
+            code = "nesting"
+        elif problem.startswith("Expected `str` of length"):
+            code = "field"
+        elif _TYPES not in problem:
+            code = "range"
+    elif name == "ts" and _TYPES not in problem:
+        code = "range"  # a number, but not a time between 2000 and 2100
+    return WireError(f"{where}: {name}{' name' if key else ''}: {problem}", code)
 
 
 # Clock exchange ----------------------------------------------------------------------------------

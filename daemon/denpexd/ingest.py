@@ -34,7 +34,6 @@ from paho.mqtt.properties import Properties
 
 from denpex_agent import wire
 from denpex_agent.redact import redact_url
-from denpexd import fastwire
 from denpexd.brokeraccess import DAEMON_USER, Intake
 from denpexd.config import ServeConfig, split_listen
 from denpexd.errors import BrokerError
@@ -366,7 +365,7 @@ class Ingest:
             job = where.job
             if where.kind == "events":
                 try:
-                    batch = fastwire.decode_batch(payload, topic_job=job)  # same outcome as wire's
+                    batch = wire.decode_batch(payload, topic_job=job)
                     wire.check_sender(where, batch.agent, batch.node)
                 except wire.WireError as exc:
                     self._refused_receipt(where, payload, exc.reason)

@@ -28,7 +28,6 @@ import orjson
 from denpex_agent import wire
 from denpex_agent.events import Event
 from denpex_agent.wire import event_to_wire
-from denpexd import fastwire
 from denpexd.errors import StoreError
 from denpexd.nodehistory import Failure
 
@@ -113,7 +112,7 @@ def progress_batch_row(batch: wire.Batch, payload: bytes, received: float) -> Ev
 
 
 def _batch_events(job: str, doc: bytes) -> list[Event]:
-    return fastwire.decode_batch(doc, topic_job=job).events
+    return wire.decode_batch(doc, topic_job=job).events
 
 
 RECOVER = (
