@@ -4,7 +4,8 @@ Files are cut into tasks in their discovery order: a file of at least ``BATCH_BY
 its own, smaller ones are batched with their successors until a batch holds that many bytes, so a
 job of 4,096 small files costs as few task round trips as one of 64 large files. Each worker
 (forked, so the rules are not pickled) compiles its own `Matcher` once, reads a task's files with
-`reader.read_files` exactly as ``-j 1`` does, and returns the task's events, its `ReadReport`
+`reader.read_files` exactly as ``-j 1`` does, and returns the task's events (plain tuples,
+without the context the engine would drop: `engine.carried`), its `ReadReport`
 counters and warnings, and its matcher's pattern timeouts. The parent feeds the engine task by
 task in task order (a result that comes early waits for the ones before it), so the engine sees
 the very sequence of events ``-j 1`` gives it, the counters sum up and the warnings come in the
