@@ -7,8 +7,12 @@ Builds a synthetic multi-rank job (``node<N>/rank<R>.log``, one generator seed p
 * ``grep -E -c -f PATTERNS`` (GNU grep, ``LC_ALL=C``) with every failure pattern of the rule
   library translated to POSIX ERE: the baseline ("how fast can one pass over the bytes be");
 * ``rg -c -f PATTERNS`` with the same file, when ripgrep is installed;
-* ``denpexd diagnose DIR --format json --progress never`` as a subprocess, on a small and on the
+* ``denpexd diagnose DIR --format json --progress never -j 1`` as a subprocess, on a small and on the
   full job directory (CPU seconds, wall seconds, peak RSS of that one process);
+* ``denpexd diagnose -j 1`` against ``-j N`` (``--jobs``, default 2), interleaved, best wall
+  time of 3, on the full directory and on the same size cut into ``--small-files`` (4,096) small
+  files; the two outputs must be byte-identical; and the start cost of the worker pool with the
+  "fork" and the "forkserver" start methods;
 * in-process stages on the full directory: ``Matcher.scan`` over 1 MiB chunks (multi-pattern
   scan plus per-line verification) and ``reader.read_files`` (that plus folding, timestamps,
   context, progress sampling), to separate matching from correlation.
@@ -17,7 +21,7 @@ CPU seconds (user + system of the measured process, from ``wait4``) are the figu
 not wall time: the machine is shared. Throughput is input MB (10^6 bytes) per CPU second.
 
 Usage: python bench/bench_diagnose.py [--total 1G] [--files 64] [--seed 42] [--workdir bench/out]
-                                      [--keep] [--regen] [--json OUT]
+                                      [--keep] [--regen] [--jobs N] [--small-files N] [--json OUT]
 """
 
 from __future__ import annotations
@@ -487,7 +491,8 @@ def denpexd_cmd() -> list[str]:
     return [exe] if exe else [sys.executable, "-m", "denpexd"]
 
 
-def run_denpexd(job: dict[str, Any], rules_dir: Path, out: Path, repeat: int) -> dict[str, Any]:
+def denpexd_once(job: dict[str, Any], rules_dir: Path, out: Path, jobs: int = 1) -> dict[str, Any]:
+    """One ``denpexd diagnose DIR --format json -j JOBS`` run, measured, its JSON checked."""
     cmd = [
         *denpexd_cmd(),
         "diagnose",
@@ -498,35 +503,118 @@ def run_denpexd(job: dict[str, Any], rules_dir: Path, out: Path, repeat: int) ->
         "never",
         "--rules",
         str(rules_dir),
+        "-j",
+        str(jobs),
     ]
-    runs = []
-    for _ in range(repeat):
-        r = measure(cmd, out)
-        if r["rc"] != 0:
-            raise SystemExit(f"bench: denpexd diagnose failed (exit {r['rc']}): {r['stderr']}")
-        try:
-            doc = json.loads(out.read_bytes())
-        except ValueError as exc:
-            raise SystemExit(f"bench: denpexd diagnose printed invalid JSON ({exc}); see {out}") from exc
-        if not isinstance(doc, dict) or "verdict" not in doc:
-            raise SystemExit(f"bench: denpexd diagnose JSON has no 'verdict'; see {out}")
-        read = doc.get("read", {})
-        r.update(
-            verdict=doc["verdict"],
-            initiator=(doc.get("initiator") or {}).get("rank"),
-            root_cause=(doc.get("root_cause") or {}).get("rule"),
-            events=read.get("events"),
-            read_bytes=read.get("bytes"),
-            read_lines=read.get("lines"),
-            progress_samples=read.get("progress_samples"),
-            warnings=len(read.get("warnings", [])),
-        )
-        runs.append(r)
+    r = measure(cmd, out)
+    if r["rc"] != 0:
+        raise SystemExit(f"bench: denpexd diagnose -j {jobs} failed (exit {r['rc']}): {r['stderr']}")
+    try:
+        doc = json.loads(out.read_bytes())
+    except ValueError as exc:
+        raise SystemExit(f"bench: denpexd diagnose printed invalid JSON ({exc}); see {out}") from exc
+    if not isinstance(doc, dict) or "verdict" not in doc:
+        raise SystemExit(f"bench: denpexd diagnose JSON has no 'verdict'; see {out}")
+    read = doc.get("read", {})
+    r.update(
+        jobs=jobs,
+        verdict=doc["verdict"],
+        initiator=(doc.get("initiator") or {}).get("rank"),
+        root_cause=(doc.get("root_cause") or {}).get("rule"),
+        events=read.get("events"),
+        read_bytes=read.get("bytes"),
+        read_lines=read.get("lines"),
+        progress_samples=read.get("progress_samples"),
+        warnings=len(read.get("warnings", [])),
+        digest=hashlib.sha256(out.read_bytes()).hexdigest()[:16],
+    )
+    return r
+
+
+def run_denpexd(
+    job: dict[str, Any], rules_dir: Path, out: Path, repeat: int, jobs: int = 1
+) -> dict[str, Any]:
+    runs = [denpexd_once(job, rules_dir, out, jobs) for _ in range(repeat)]
     res = best_of(runs)
     res.update(
-        engine="denpexd diagnose", input_bytes=job["bytes"], label=f"denpexd diagnose {fmt_mb(job['bytes'])}"
+        engine=f"denpexd diagnose -j {jobs}",
+        input_bytes=job["bytes"],
+        label=f"denpexd diagnose -j {jobs} {fmt_mb(job['bytes'])}",
     )
     return res
+
+
+def jobs_comparison(
+    named: list[tuple[str, dict[str, Any]]], rules_dir: Path, workdir: Path, jobs: int, repeat: int
+) -> list[dict[str, Any]]:
+    """``-j 1`` and ``-j JOBS`` on each job directory, interleaved (1, N, 1, N, ...) so that both see
+    the same neighbours; the best wall time of each is kept (CPU seconds are reported too). The
+    JSON output must be byte-identical between the two."""
+    rows = []
+    for name, job in named:
+        runs: dict[int, list[dict[str, Any]]] = {1: [], jobs: []}
+        for _ in range(repeat):
+            for j in (1, jobs):
+                runs[j].append(denpexd_once(job, rules_dir, workdir / f"diagnose-{name}-j{j}.json", j))
+        digests = {r["digest"] for rs in runs.values() for r in rs}
+        if len(digests) != 1:
+            raise SystemExit(
+                f"bench: -j 1 and -j {jobs} disagree on {name}; see {workdir}/diagnose-{name}-j*.json"
+            )
+        for j, rs in runs.items():
+            best = dict(min(rs, key=lambda r: r["wall_s"]))
+            best.update(
+                engine=f"denpexd -j {j}, {name}",
+                input_bytes=job["bytes"],
+                files=job["files"],
+                wall_s_all=[round(r["wall_s"], 2) for r in rs],
+                cpu_s_all=[round(r["cpu_s"], 2) for r in rs],
+                peak_rss_mb=max(r["peak_rss_mb"] for r in rs),
+                repeats=len(rs),
+            )
+            rows.append(best)
+    return rows
+
+
+SPIN = "x = 0\nfor i in range(20_000_000):\n    x += i\n"
+
+
+def cpu_ceiling(jobs: int, repeat: int) -> dict[str, float]:
+    """What ``jobs`` cores give right now: wall of one CPU-bound Python loop alone and of ``jobs``
+    copies at once, interleaved, best of ``repeat``; ``speedup`` = jobs x alone / together (``jobs``
+    on idle, dedicated cores; less when neighbours use them)."""
+    alone, together = math.inf, math.inf
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        subprocess.run([sys.executable, "-c", SPIN], check=True)
+        alone = min(alone, time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        procs = [subprocess.Popen([sys.executable, "-c", SPIN]) for _ in range(jobs)]
+        for p in procs:
+            p.wait()
+        together = min(together, time.perf_counter() - t0)
+    return {"alone_s": alone, "together_s": together, "speedup": jobs * alone / together}
+
+
+def start_method_cost(job: dict[str, Any], rules_dir: Path, jobs: int, repeat: int) -> dict[str, float]:
+    """Wall seconds of `parallelread.read_parallel` over two of the job's files (pool start, rules
+    handed to the workers, two tasks) with each start method, best of ``repeat``."""
+    from denpex_agent.reader import ReadReport, discover
+    from denpex_agent.rules import load_rules
+    from denpexd import parallelread
+
+    rules = load_rules(rules_dir)
+    files = discover(job["paths"][:2], None, ReadReport())
+    best: dict[str, float] = {}
+    for _ in range(repeat):
+        for method in ("fork", "forkserver"):
+            t0 = time.perf_counter()
+            for _ev in parallelread.read_parallel(
+                files, rules, "bench", ReadReport(), {}, jobs=jobs, start_method=method
+            ):
+                pass
+            best[method] = min(best.get(method, math.inf), time.perf_counter() - t0)
+    return best
 
 
 def in_process_stages(job: dict[str, Any], rules_dir: Path) -> list[dict[str, Any]]:
@@ -610,6 +698,32 @@ def throughput(r: dict[str, Any]) -> float | None:
     return r["input_bytes"] / MB / r["cpu_s"] if r["cpu_s"] > 0 else None
 
 
+def print_jobs_table(rows: list[dict[str, Any]]) -> None:
+    head = ("run", "MB", "wall s", "walls", "CPU s", "MB/wall-s", "MB/CPU-s", "peak RSS MB")
+    body = [
+        (
+            r["engine"],
+            f"{r['input_bytes'] / MB:.0f}",
+            f"{r['wall_s']:.2f}",
+            " ".join(f"{w:.2f}" for w in r["wall_s_all"]),
+            f"{r['cpu_s']:.2f}",
+            f"{r['input_bytes'] / MB / r['wall_s']:.1f}",
+            f"{throughput(r) or 0:.1f}",
+            f"{r['peak_rss_mb']:.1f}",
+        )
+        for r in rows
+    ]
+    widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(head)]
+    for cells in (head, *body):
+        print(
+            "  "
+            + "  ".join(
+                c.ljust(w) if i == 0 else c.rjust(w)
+                for i, (c, w) in enumerate(zip(cells, widths, strict=True))
+            )
+        )
+
+
 def print_table(rows: list[dict[str, Any]]) -> None:
     head = ("engine", "input MB", "CPU s", "wall s", "MB/CPU-s", "peak RSS MB")
     body = []
@@ -665,6 +779,20 @@ def main(argv: list[str] | None = None) -> int:
         "--keep", action="store_true", help="keep the generated logs (default: delete them at the end)"
     )
     ap.add_argument("--skip-in-process", action="store_true", help="skip the in-process stage measurements")
+    ap.add_argument(
+        "--jobs",
+        type=int,
+        default=2,
+        metavar="N",
+        help="compare diagnose -j 1 with -j N, interleaved, best wall of max(3, --repeat) (default 2; 1 skips)",
+    )
+    ap.add_argument(
+        "--small-files",
+        type=int,
+        default=4096,
+        metavar="N",
+        help="the -j comparison also on the main size cut into N small files (default 4096; 0 skips)",
+    )
     ap.add_argument("--json", metavar="OUT", help="also write every figure as JSON to OUT")
     a = ap.parse_args(argv)
 
@@ -706,8 +834,11 @@ def main(argv: list[str] | None = None) -> int:
     for name, size in (("main", total), ("small", small)):
         root = workdir / f"job-{fmt_size(size)}-{a.files}f-s{a.seed}"
         jobs[name] = build_job(root, size, a.files, a.seed, failure_rate, a.regen)
+    if a.jobs > 1 and a.small_files > 0:
+        root = workdir / f"job-{fmt_size(total)}-{a.small_files}f-s{a.seed}"
+        jobs["many"] = build_job(root, total, a.small_files, a.seed, failure_rate, a.regen)
     print("  warming the page cache ...", flush=True)
-    warm_cache(jobs["main"]["paths"] + jobs["small"]["paths"])
+    warm_cache([p for j in jobs.values() for p in j["paths"]])
 
     rows: list[dict[str, Any]] = []
     # ---- baselines
@@ -725,7 +856,7 @@ def main(argv: list[str] | None = None) -> int:
         print("  rg: not installed")
 
     # ---- Denpex end to end
-    print("[4/6] denpexd diagnose (subprocess)", flush=True)
+    print("[4/6] denpexd diagnose -j 1 (subprocess)", flush=True)
     dx_small = run_denpexd(jobs["small"], rules_dir, workdir / "diagnose-small.json", a.repeat)
     dx_main = run_denpexd(jobs["main"], rules_dir, workdir / "diagnose-main.json", a.repeat)
     rows += [dx_small, dx_main]
@@ -735,6 +866,20 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"  fixed cost (one 64 KiB file): {dx_fixed['cpu_s']:.2f} CPU s, {dx_fixed['peak_rss_mb']:.1f} MB RSS"
     )
+
+    # ---- -j 1 against -j N
+    jobs_rows: list[dict[str, Any]] = []
+    methods: dict[str, float] = {}
+    ceiling: dict[str, float] = {}
+    if a.jobs > 1:
+        named = [(f"{a.files} files", jobs["main"])]
+        if "many" in jobs:
+            named.append((f"{a.small_files} files", jobs["many"]))
+        reps = max(3, a.repeat)
+        print(f"[4b] denpexd diagnose -j 1 against -j {a.jobs}, interleaved, best of {reps}", flush=True)
+        jobs_rows = jobs_comparison(named, rules_dir, workdir, a.jobs, reps)
+        methods = start_method_cost(jobs["main"], rules_dir, a.jobs, reps)
+        ceiling = cpu_ceiling(a.jobs, reps)
 
     # ---- Denpex stages
     stages: list[dict[str, Any]] = []
@@ -776,6 +921,34 @@ def main(argv: list[str] | None = None) -> int:
         f"without it, {fmt_mb(jobs['main']['bytes'])} -> "
         f"{jobs['main']['bytes'] / MB / max(dx_main['cpu_s'] - dx_fixed['cpu_s'], 1e-9):.1f} MB/CPU-s"
     )
+    if jobs_rows:
+        print(
+            f"\n-j 1 against -j {a.jobs} (wall: best of {jobs_rows[0]['repeats']}, interleaved; same JSON):"
+        )
+        print_jobs_table(jobs_rows)
+        for i in range(0, len(jobs_rows), 2):
+            one, many = jobs_rows[i], jobs_rows[i + 1]
+            print(
+                f"  {one['files']} files: -j {a.jobs} wall speed-up {one['wall_s'] / many['wall_s']:.2f}x "
+                f"(target >= 1.8x on 2 cores for the {a.files}-file job), CPU cost "
+                f"{many['cpu_s'] / one['cpu_s']:.2f}x"
+            )
+        if len(jobs_rows) == 4:
+            big, many = jobs_rows[0], jobs_rows[2]
+            print(
+                f"  {jobs['many']['files']} small files against {a.files} large, -j 1, MB per CPU-s: "
+                f"{throughput(many) or 0:.1f} / {throughput(big) or 0:.1f} = "
+                f"{(throughput(many) or 0) / (throughput(big) or 1):.2f}"
+            )
+        print(
+            f"  the machine's ceiling now: {a.jobs} CPU-bound loops at once vs one alone: "
+            f"{ceiling['speedup']:.2f}x ({ceiling['alone_s']:.2f} s alone, {ceiling['together_s']:.2f} s together)"
+        )
+        if methods:
+            print(
+                "  pool start + 2 files, wall: "
+                + ", ".join(f"{m} {t * 1000:.0f} ms" for m, t in methods.items())
+            )
     main_job = jobs["main"]
     print()
     print(f"Correctness ({fmt_mb(main_job['bytes'])}, {main_job['lines']} lines):")
@@ -825,6 +998,12 @@ def main(argv: list[str] | None = None) -> int:
             },
             "data": {k: {kk: vv for kk, vv in j.items() if kk != "paths"} for k, j in jobs.items()},
             "results": [{**r, "mb_per_cpu_s": throughput(r)} for r in rows],
+            "jobs_comparison": [
+                {**r, "mb_per_cpu_s": throughput(r), "mb_per_wall_s": r["input_bytes"] / MB / r["wall_s"]}
+                for r in jobs_rows
+            ],
+            "start_method_wall_s": methods,
+            "cpu_ceiling": ceiling,
             "summary": {
                 "denpex_mb_per_cpu_s": tp_dx,
                 "grep_mb_per_cpu_s": tp_grep,

@@ -107,6 +107,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--progress", choices=("auto", "always", "never"), default="auto", help="progress bar on stderr"
     )
     d.add_argument(
+        "-j",
+        "--jobs",
+        type=int,
+        default=None,
+        metavar="N",
+        help="read the files in N worker processes (default: every CPU this process may use; 1: in this "
+        "process only). Large files are one task each, small ones batched into tasks of about 16 MiB; "
+        "the diagnosis is the same for every N",
+    )
+    d.add_argument(
         "--control",
         action="append",
         metavar="HEALTHY_PATH",

@@ -17,7 +17,7 @@ from denpex_agent.errors import LayoutError, RuleError
 from denpex_agent.matcher import Matcher
 from denpex_agent.reader import LogFile, NoLogFiles, ReadReport, discover, read_files
 from denpex_agent.rules import RuleSet, load_rules
-from denpexd import divergence
+from denpexd import divergence, parallelread
 from denpexd.engine import Engine
 from denpexd.errors import DenpexdError
 from denpexd.htmlreport import render_html
@@ -41,9 +41,12 @@ def diagnose_paths(
     progress: TextIO | None = None,
     progress_min_bytes: int = PROGRESS_MIN_BYTES,
     control: list[str] | None = None,
+    jobs: int = 1,
+    start_method: str = parallelread.START_METHOD,
 ) -> dict[str, Any]:
     """Read, match and correlate; return the diagnosis (docs/diagnosis-json.md) (plus `read` statistics,
-    and `divergence` from the ``control`` run's paths when given)."""
+    and `divergence` from the ``control`` run's paths when given). ``jobs`` > 1 reads the files in
+    that many worker processes (`parallelread`); the diagnosis is the same."""
     rules = rules if rules is not None else load_rules()
     lay = Layout(layout) if layout else None
     control_files = discover_control(control) if control else None
@@ -51,16 +54,31 @@ def diagnose_paths(
     files = discover(paths, lay, report)
     job_id = job or default_job_id(paths)
     engine = Engine(job_id, rules)
-    matcher = Matcher(rules)
     total = sum(f.size for f in files)
     bar = _Bar(progress, total) if progress is not None and total >= progress_min_bytes else None
-    for ev in read_files(
-        files, matcher, job_id, report, context_lines=context_lines, on_bytes=bar.advance if bar else None
-    ):
+    on_bytes = bar.advance if bar else None
+    timeouts: dict[str, int] = {}
+    if jobs > 1 and len(parallelread.plan_tasks(files, jobs)) > 1:
+        events = parallelread.read_parallel(
+            files,
+            rules,
+            job_id,
+            report,
+            timeouts,
+            jobs=jobs,
+            context_lines=context_lines,
+            on_bytes=on_bytes,
+            start_method=start_method,
+        )
+    else:
+        matcher = Matcher(rules)
+        timeouts = matcher.timeouts
+        events = read_files(files, matcher, job_id, report, context_lines=context_lines, on_bytes=on_bytes)
+    for ev in events:
         engine.add(ev)
     if bar:
         bar.close()
-    for rule_id, n in sorted(matcher.timeouts.items()):
+    for rule_id, n in sorted(timeouts.items()):
         report.warn(f"rule {rule_id}: a pattern timed out on {n} line(s) (taken as no match)")
     result = engine.diagnose()
     result["read"] = {
@@ -140,6 +158,11 @@ def run(args: argparse.Namespace) -> int:
     if missing:
         print(f"denpexd diagnose: no such file or directory: {', '.join(missing)}", file=sys.stderr)
         return 2
+    jobs = getattr(args, "jobs", None)
+    jobs = parallelread.default_jobs() if jobs is None else jobs
+    if jobs < 1:
+        print("denpexd diagnose: -j/--jobs must be >= 1", file=sys.stderr)
+        return 2
     if args.context_lines < 0:
         print("denpexd diagnose: --context-lines must be >= 0", file=sys.stderr)
         return 2
@@ -166,6 +189,7 @@ def run(args: argparse.Namespace) -> int:
             progress=sys.stderr if show_bar else None,
             progress_min_bytes=0 if args.progress == "always" else PROGRESS_MIN_BYTES,
             control=args.control,
+            jobs=jobs,
         )
     except (LayoutError, NoLogFiles, ControlError) as exc:
         print(f"denpexd diagnose: {exc}", file=sys.stderr)

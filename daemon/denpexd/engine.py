@@ -445,12 +445,25 @@ def _is_fallback(rules: RuleSet, rule_id: str) -> bool:
     return rule is not None and rule.fallback
 
 
+def carried(ev: Event) -> Event:
+    """An event without what `Engine.add` would drop unread: the context of a match whose
+    aggregate keeps none (see `_kept`; the text stays whole, `add` reads it first). `diagnose -j N`
+    workers send events in this form: a tenth of the bytes, the same diagnosis."""
+    if ev.kind != "match" or not ev.context or _keeps_whole(ev):
+        return ev
+    return dataclasses.replace(ev, context=[])
+
+
+def _keeps_whole(ev: Event) -> bool:
+    return ev.role in ("root-cause", "symptom") or "signal" in ev.fields or "exitcode" in ev.fields
+
+
 def _kept(ev: Event) -> Event:
     """What an aggregate keeps of an event: a cause's or a symptom's whole event (its context is
     the evidence), and a launcher's report of an exit code or signal (it may name a killed
     worker); of other collateral the start of its text and no context (memory: thousands of
     ranks report the same consequence)."""
-    if ev.role in ("root-cause", "symptom") or "signal" in ev.fields or "exitcode" in ev.fields:
+    if _keeps_whole(ev):
         return ev
     if not ev.context and len(ev.text) <= KEPT_TEXT:
         return ev
