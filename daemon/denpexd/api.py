@@ -136,9 +136,9 @@ class Api:
             raise HttpError(
                 self.listen, f"cannot listen ({exc.strerror}); choose another with --http-listen"
             ) from exc
-        server = site._server
-        sockets = getattr(server, "sockets", None) or []
-        self.port = sockets[0].getsockname()[1] if sockets else port
+        # the bound port (``port`` may be 0): the runner's public list of its sites' addresses
+        bound = [addr[1] for addr in self._runner.addresses if isinstance(addr, tuple) and len(addr) >= 2]
+        self.port = bound[0] if bound else port
         log.info("HTTP API listening address=%s:%d", host, self.port)
         return self
 

@@ -7,7 +7,7 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from denpex_agent.redact import Redactor, configure_logging
 from denpexd import __version__
@@ -224,7 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="give up when the daemon has not answered in this long (default 10)",
     )
 
-    _add_verify(sub)
+    _add_verify(sub.add_parser)
 
     v = sub.add_parser(
         "validate",
@@ -282,8 +282,8 @@ compare (a missing path or job, no log files, an unreachable daemon, bad argumen
 """
 
 
-def _add_verify(sub: argparse._SubParsersAction[_Parser]) -> None:
-    w = sub.add_parser(
+def _add_verify(add_parser: Callable[..., _Parser]) -> None:
+    w = add_parser(
         "verify",
         help="is a failure's signature gone from the run repeated after a change? (exit 0/1/2)",
         description=_VERIFY_DESCRIPTION,

@@ -33,12 +33,12 @@ from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
 from denpex_agent import wire
+from denpex_agent.mqttconn import TCP_NODELAY, Connection, MqttError
 from denpex_agent.redact import redact_url
 from denpexd.brokeraccess import DAEMON_USER, Intake
 from denpexd.config import ServeConfig, split_listen
 from denpexd.errors import BrokerError
 from denpexd.metrics import Metrics, invalid_reason
-from denpexd.mqttconn import TCP_NODELAY, Connection, MqttError
 from denpexd.turns import Turns
 
 log = logging.getLogger(__name__)

@@ -3,15 +3,23 @@
 paho-mqtt documents how to run it inside someone else's event loop: the socket callbacks
 (`on_socket_open`, `on_socket_close`, `on_socket_register_write`, `on_socket_unregister_write`)
 say when to watch its socket, and `loop_read`, `loop_write` and `loop_misc` do the work. This
-module does exactly that on the running asyncio loop, and adds what the daemon's ingest needs
-and aiomqtt cannot express without reaching into its internals:
+module does exactly that on the running asyncio loop. Both programs use it: the agent's
+publisher (`publisher.py`) and the daemon's ingest (`denpexd/ingest.py`). It adds what they need
+and aiomqtt cannot express without reaching into its internals (private attributes of a
+dependency break silently on its next release; `tests/unit/test_no_private_access.py` keeps
+the product off them):
 
 * deliveries go to a callback as they are read, with nothing queued in between;
 * QoS 1 deliveries are acknowledged by the caller once stored (`manual_ack_set`, `ack`);
 * reading can be paused: while the daemon's queues are full it stops reading its socket, the
   kernel's buffers fill and TCP flow control holds the broker back, which then applies its
   own limits (an external broker queues for the persistent session; the embedded broker is
-  told to refuse publishes, see `broker.py`) instead of the daemon's memory growing.
+  told to refuse publishes, see `broker.py`) instead of the daemon's memory growing;
+* a packet queued on the loop's own thread is written on the loop's next turn (packets queued
+  in the same turn go out in one write), and a writer is registered only when the socket
+  would block: no self-pipe wake-up and no epoll change per publish;
+* a connection the broker closes before its CONNACK fails the attempt at once, and a refused
+  CONNECT carries the broker's reason code (`MqttError.rc`).
 
 Everything runs on the event loop's thread except paho's blocking `connect()`, which runs in
 an executor; the socket callbacks it makes from there are moved to the loop thread.
@@ -27,6 +35,7 @@ import socket
 import ssl
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import paho.mqtt.client as paho
@@ -43,7 +52,23 @@ CONNECT_TIMEOUT_S = 10.0
 
 
 class MqttError(Exception):
-    """The connection could not be made, was refused, or was lost."""
+    """The connection could not be made, was refused, or was lost; ``rc`` is the CONNACK's
+    reason code when the broker refused the connection (v5 codes: paho reports a 3.1.1
+    broker's codes as their v5 equivalents)."""
+
+    def __init__(self, message: str, rc: int | None = None) -> None:
+        super().__init__(message)
+        self.rc = rc
+
+
+@dataclass(frozen=True, slots=True)
+class Will:
+    """The last will the broker publishes when the connection is lost without a DISCONNECT."""
+
+    topic: str
+    payload: bytes
+    qos: int = 1
+    retain: bool = False
 
 
 Deliver = Callable[[paho.MQTTMessage], None]
@@ -69,6 +94,8 @@ class Connection:
         tls_context: ssl.SSLContext | None = None,
         keepalive: int = 60,
         socket_options: tuple[tuple[int, int, int], ...] = (),
+        will: Will | None = None,
+        manual_ack: bool = True,
     ) -> None:
         self._host, self._port, self._keepalive = host, port, keepalive
         self._clean = clean
@@ -88,7 +115,9 @@ class Connection:
             client.username_pw_set(username, password)
         if tls_context is not None:
             client.tls_set_context(tls_context)
-        client.manual_ack_set(True)
+        if will is not None:
+            client.will_set(will.topic, will.payload, qos=will.qos, retain=will.retain)
+        client.manual_ack_set(manual_ack)  # else paho acknowledges after ``deliver`` returns
         client.on_socket_open = self._on_socket_open
         client.on_socket_close = self._on_socket_close
         client.on_socket_register_write = self._on_register_write
@@ -103,7 +132,11 @@ class Connection:
         self._reading = False  # the socket is watched for reading
         self._paused = False
         self._misc: asyncio.Task[None] | None = None
+        self._writing = False  # inside loop_write (a register_write then means: would block)
+        self._write_soon = False  # a write is scheduled for the loop's next turn
         self._connack: asyncio.Future[None] = self._loop.create_future()
+        # a connect() that timed out no longer waits for it: its failure is nobody's to report
+        self._connack.add_done_callback(lambda f: f.cancelled() or f.exception())
         self._closed: asyncio.Future[str] = self._loop.create_future()  # the reason, once lost
         self._subacks: dict[int, asyncio.Future[list[ReasonCode]]] = {}
         self._pubacks: dict[int, asyncio.Future[None]] = {}
@@ -113,6 +146,7 @@ class Connection:
     async def connect(self, timeout: float = CONNECT_TIMEOUT_S) -> None:  # noqa: ASYNC109
         """Connect and wait for the broker's CONNACK; `MqttError` when that fails."""
         clean_start: Any = self._clean if self._v5 else paho.MQTT_CLEAN_START_FIRST_ONLY
+        self._client.connect_timeout = timeout  # the TCP (and TLS) connect, in the executor
         try:
             await self._loop.run_in_executor(
                 None,
@@ -176,6 +210,10 @@ class Connection:
             self._client.disconnect()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(asyncio.shield(self._closed), timeout)
+        self._teardown()
+
+    def abort(self) -> None:
+        """Drop the connection at once, without DISCONNECT (the broker publishes the will)."""
         self._teardown()
 
     async def wait_closed(self) -> str:
@@ -256,6 +294,10 @@ class Connection:
             with contextlib.suppress(ValueError, OSError):
                 self._loop.remove_writer(self._sock)
         self._sock = None
+        sock = self._client.socket()  # still open when the connection was not closed by paho
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.close()
         self._lost("closed")
         waiting: list[asyncio.Future[Any]] = [*self._pubacks.values(), *self._subacks.values()]
         for fut in waiting:
@@ -264,11 +306,11 @@ class Connection:
         self._pubacks.clear()
         self._subacks.clear()
 
-    def _lost(self, reason: str) -> None:
+    def _lost(self, reason: str, rc: int | None = None) -> None:
         if not self._closed.done():
             self._closed.set_result(reason)
         if not self._connack.done():
-            self._connack.set_exception(MqttError(reason))
+            self._connack.set_exception(MqttError(reason, rc))
 
     # -- paho's callbacks (on the loop thread, except socket ones during connect) -------------
 
@@ -284,6 +326,10 @@ class Connection:
                 sock.setsockopt(*option)
 
         def watch() -> None:
+            if self._closed.done():  # given up while paho connected (a connect timed out)
+                with contextlib.suppress(OSError):
+                    sock.close()
+                return
             self._sock = sock
             if not self._paused:
                 self._watch_read()
@@ -301,11 +347,28 @@ class Connection:
         self._on_loop(unwatch)
 
     def _on_register_write(self, client: paho.Client, userdata: Any, sock: Any) -> None:
-        def watch() -> None:
-            if sock.fileno() >= 0:
-                self._loop.add_writer(sock, self._client.loop_write)
+        if threading.get_ident() != self._loop_thread:  # the connect, in the executor
+            self._loop.call_soon_threadsafe(self._watch_write, sock)
+        elif self._writing:  # from loop_write itself: the socket would block
+            self._watch_write(sock)
+        elif not self._write_soon:  # a packet queued on the loop: write it on the next turn
+            self._write_soon = True
+            self._loop.call_soon(self._write, sock)
 
-        self._on_loop(watch)
+    def _watch_write(self, sock: Any) -> None:
+        with contextlib.suppress(ValueError, OSError):  # closed meanwhile
+            if sock.fileno() >= 0:
+                self._loop.add_writer(sock, self._write, sock)
+
+    def _write(self, sock: Any) -> None:
+        self._write_soon = False
+        if sock.fileno() < 0:
+            return
+        self._writing = True
+        try:  # paho registers a writer again (above) if the socket would block, else unregisters it
+            self._client.loop_write()
+        finally:
+            self._writing = False
 
     def _on_unregister_write(self, client: paho.Client, userdata: Any, sock: Any) -> None:
         def unwatch() -> None:
@@ -318,14 +381,16 @@ class Connection:
         self, client: paho.Client, userdata: Any, flags: Any, reason: ReasonCode, props: Any
     ) -> None:
         if reason.is_failure:
-            self._lost(f"the broker refused the connection: {reason}")
+            self._lost(f"the broker refused the connection: {reason}", reason.value)
         elif not self._connack.done():
             self._connack.set_result(None)
 
     def _on_disconnect(
         self, client: paho.Client, userdata: Any, flags: Any, reason: ReasonCode, props: Any
     ) -> None:
-        self._lost(str(reason))
+        # paho reports a close in any state: before the CONNACK it fails the attempt at once
+        # (a broker that drops a CONNECT it does not accept), not after the connect timeout
+        self._lost("connection closed before CONNACK" if not self._connack.done() else str(reason))
 
     def _on_subscribe(
         self, client: paho.Client, userdata: Any, mid: int, codes: list[ReasonCode], props: Any
