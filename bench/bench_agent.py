@@ -3,6 +3,7 @@
 and write-to-delivery latency — all against the real Mosquitto on 127.0.0.1:1883.
 
 Usage: python bench/bench_agent.py [--size 512M] [--seed 42] [--follow-seconds 30] [--json OUT]
+       python bench/bench_agent.py --follow-only [--follow-seconds 30] [--agent-arg=--force-polling]
 
 1. Throughput: the agent starts on a training-like log of --size (bench/gen_training_log.py,
    the same file the orientation figures were measured on) and reads it from the beginning;
@@ -12,7 +13,10 @@ Usage: python bench/bench_agent.py [--size 512M] [--seed 42] [--follow-seconds 3
    POSIX ERE by bench/bench_diagnose.py's translator).
 2. Follow cost: the agent with its default settings, 8 files written at 1,000 lines/s each
    (training-like lines, a matched line every ~500) for --follow-seconds; measured: agent CPU
-   seconds / wall seconds (% of one core).
+   seconds / wall seconds (% of one core). Before the writing starts, the same for 10 s with the
+   8 files followed and nothing written (the idle agent). --follow-only runs phases 2 and 4
+   alone; --agent-arg passes an option to the followed agent (--agent-arg=--follow-mode
+   --agent-arg=poll: polling, to compare with inotify).
 3. Peak RSS of the agent (VmHWM) over both phases.
 4. Latency: each matched line carries its write time; a subscriber on the broker notes when the
    event arrives. Arrival happens after the broker's PUBACK to the agent plus one hop, so the
@@ -228,7 +232,9 @@ async def _subscribe(
                 return
 
 
-def phase_follow(work: Path, seconds: float, gen: Any) -> dict[str, Any]:
+def phase_follow(
+    work: Path, seconds: float, gen: Any, extra: list[str] | None = None, idle_seconds: float = 10.0
+) -> dict[str, Any]:
     logs = work / "live"
     shutil.rmtree(logs, ignore_errors=True)
     logs.mkdir()
@@ -240,8 +246,13 @@ def phase_follow(work: Path, seconds: float, gen: Any) -> dict[str, Any]:
     sub = threading.Thread(target=lambda: asyncio.run(_subscribe(job, arrivals, ready, stop)), daemon=True)
     sub.start()
     ready.wait(10)
-    p = agent_proc(job, [str(logs / "rank*.log")], work / "state-live", work / "agent-live.log")
-    time.sleep(3.0)  # start-up done
+    p = agent_proc(
+        job, [str(logs / "rank*.log")], work / "state-live", work / "agent-live.log", *(extra or [])
+    )
+    time.sleep(5.0)  # start-up done (imports, rules, connection, the first clock exchanges)
+    idle0, ti0 = proc_cpu(p.pid), time.monotonic()
+    time.sleep(idle_seconds)  # the 8 files followed, nothing written
+    idle1, ti1 = proc_cpu(p.pid), time.monotonic()
     cpu0, t0 = proc_cpu(p.pid), time.monotonic()
     writer = LiveWriter(logs, 8, 1000, seconds, gen)
     writer.start()
@@ -261,6 +272,8 @@ def phase_follow(work: Path, seconds: float, gen: Any) -> dict[str, Any]:
         "lines_written": writer.written,
         "cpu_s": cpu1 - cpu0,
         "core_percent": 100.0 * (cpu1 - cpu0) / (t1 - t0),
+        "idle_seconds": ti1 - ti0,
+        "idle_core_percent": 100.0 * (idle1 - idle0) / (ti1 - ti0),
         "peak_rss_mb": hwm,
         "latency_samples": len(lat),
         "latency_missing": missing,
@@ -277,10 +290,36 @@ def main() -> int:
     ap.add_argument("--follow-seconds", type=float, default=30.0)
     ap.add_argument("--workdir", default=str(BENCH / "out" / "agent"))
     ap.add_argument("--json", metavar="OUT")
+    ap.add_argument("--follow-only", action="store_true", help="phases 2 and 4 only (follow cost, latency)")
+    ap.add_argument(
+        "--agent-arg",
+        action="append",
+        default=[],
+        help="an extra argument for the followed agent (repeatable)",
+    )
     a = ap.parse_args()
     gen = _load("gen_training_log")
     work = Path(a.workdir)
     work.mkdir(parents=True, exist_ok=True)
+    if a.follow_only:
+        follow = phase_follow(work, a.follow_seconds, gen, a.agent_arg)
+        print(
+            f"follow 8 x 1,000 lines/s: {follow['core_percent']:.2f}% of one core over {follow['seconds']:.0f} s "
+            f"({follow['lines_written']} lines; agent args {' '.join(a.agent_arg) or '-'})"
+        )
+        print(
+            f"idle, 8 files unwritten : {follow['idle_core_percent']:.2f}% of one core over {follow['idle_seconds']:.0f} s"
+        )
+        print(
+            f"latency write->delivered: p50 {follow['latency_p50_ms']:.1f} ms, p99 {follow['latency_p99_ms']:.1f} ms, "
+            f"max {follow['latency_max_ms']:.1f} ms over {follow['latency_samples']} lines "
+            f"({follow['latency_missing']} missing)"
+        )
+        if a.json:
+            Path(a.json).write_text(
+                json.dumps({"date": time.strftime("%Y-%m-%d"), "follow": follow}, indent=1)
+            )
+        return 0
     log_file = work / f"train-{a.size}-s{a.seed}.log"
     size = gen.parse_size(a.size)
     if not log_file.exists() or abs(log_file.stat().st_size - size) > size // 100:
@@ -313,6 +352,9 @@ def main() -> int:
     print(
         f"follow 8 x 1,000 lines/s: {follow['core_percent']:.2f}% of one core over {follow['seconds']:.0f} s "
         f"({follow['lines_written']} lines)"
+    )
+    print(
+        f"idle, 8 files unwritten : {follow['idle_core_percent']:.2f}% of one core over {follow['idle_seconds']:.0f} s"
     )
     print(
         f"peak RSS                : throughput {tp['peak_rss_mb']:.1f} MB, follow {follow['peak_rss_mb']:.1f} MB"

@@ -47,6 +47,8 @@ from denpex_agent.tailer import Mark, Tailer
 log = logging.getLogger(__name__)
 
 CLOCK_SAMPLES = 8
+COALESCE_S = 0.02  # after inotify wakes the reader: let a burst of writes land, read it in one poll
+WATCHED_DISCOVERY = 10  # globs whose directories inotify watches: rediscover this many times rarer
 
 
 @dataclass(slots=True)
@@ -128,6 +130,7 @@ class Agent:
             read_chunk=cfg.read_chunk,
             progress_interval=cfg.progress_interval,
             fold_timeout=cfg.fold_timeout,
+            watch=cfg.follow_mode == "auto",
         )
         self._queue: asyncio.Queue[_Item | None] = asyncio.Queue()
         self._inflight = 0  # bytes handed to the loop and not yet acknowledged (under _lock)
@@ -140,6 +143,7 @@ class Agent:
         self._reader: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._busy_since: float | None = None  # monotonic start of the reader's current poll
+        self._polled_at = 0.0  # monotonic start of the reader's latest poll
         self._behind = 0  # the reader's unread bytes after its last poll
         self._slow_reported = False
         self._views: list[_FileView] = []
@@ -169,6 +173,7 @@ class Agent:
         self._stop.set()
         self._stop_reading.set()
         self._space.set()
+        self.tailer.wake()
 
     def reload_rules(self) -> bool:
         """SIGHUP: the same loader as startup; a bad library keeps the old rules."""
@@ -270,14 +275,21 @@ class Agent:
 
     def _read_forever(self) -> None:
         cfg = self.cfg
-        next_discovery = 0.0
+        tailer = self.tailer
+        next_discovery = last_discovery = 0.0
+        stale = True  # something was read since the heartbeats' view of the files was taken
         stop = self._stop_reading
         while not stop.is_set():
             now = time.monotonic()
-            if now >= next_discovery:
-                self.tailer.discover()
-                next_discovery = now + cfg.discover_interval
-                if len(self._views) != len(self.tailer.files):  # new files: heartbeats name them now
+            if now >= next_discovery or (
+                tailer.discover_wanted and now >= last_discovery + cfg.discover_interval
+            ):
+                tailer.discover()
+                last_discovery = now
+                next_discovery = now + cfg.discover_interval * (
+                    WATCHED_DISCOVERY if tailer.roots_watched else 1
+                )
+                if len(self._views) != len(tailer.files):  # new files: heartbeats name them now
                     self._views = self._file_views()
             with self._lock:
                 room = cfg.max_inflight_bytes - self._inflight
@@ -286,21 +298,37 @@ class Agent:
             if room <= 0:
                 self._space.wait(cfg.poll_interval * 4)
                 continue
-            self._busy_since = time.monotonic()
+            self._busy_since = self._polled_at = time.monotonic()
             events, marks, more = self.tailer.poll(min(room, 8 * cfg.read_chunk))
             self._busy_since = None
             read_at = time.time()
             self._behind = self.tailer.behind
             if events or marks:
+                stale = True
                 item = _Item(events, marks, sum(map(_event_size, events)), read_at, self._behind)
                 self._hand_over(item)
-            if read_at - self._views_at >= cfg.heartbeat_interval / 2:
+            if (stale or not tailer.watching) and read_at - self._views_at >= cfg.heartbeat_interval / 2:
                 self._views_at = read_at
                 self._views = self._file_views()
+                stale = False
             if read_at - self._metrics_at >= 1.0:
                 self._update_metrics()
-            if not more:
+            if more:
+                continue
+            if not tailer.watching:
                 stop.wait(cfg.poll_interval)
+                continue
+            # inotify: sleep until a followed file's directory reports a change or a deadline
+            # (a fold, flush or progress tip; polled files; discovery; the heartbeats' view)
+            timeout = min(tailer.due_in(cfg.poll_interval), next_discovery - time.monotonic())
+            if tailer.discover_wanted:
+                timeout = min(timeout, last_discovery + cfg.discover_interval - time.monotonic())
+            if stale:
+                timeout = min(timeout, self._views_at + cfg.heartbeat_interval / 2 - time.time())
+            if tailer.wait(max(timeout, 0.0)) and not stop.is_set():
+                # let the burst land; and a file written without pause is read every
+                # poll_interval at most, as when polling (one poll then takes it all)
+                stop.wait(max(COALESCE_S, self._polled_at + cfg.poll_interval - time.monotonic()))
 
     def _hand_over(self, item: _Item) -> None:
         with self._lock:

@@ -63,6 +63,9 @@ _HELP = {
     "receipt_timeout": "seconds to wait for the daemon's receipt of a batch (a daemon that says it "
     "sends them) before sending the batch again; read positions are checkpointed only once the "
     "daemon has confirmed storing what is before them (default: 10)",
+    "follow_mode": "auto (default): learn of writes from inotify, polling every poll_interval "
+    "only the files on network filesystems (NFS, CIFS/SMB, Lustre, GPFS, BeeGFS, FUSE...) where it "
+    "is silent; poll: poll every followed file every poll_interval",
     "slow_scan_warning": "a scan of new bytes that runs longer than this many seconds is logged and "
     "counted (denpex_agent_slow_scans_total); heartbeats go on meanwhile (default: 2)",
 }

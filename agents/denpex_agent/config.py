@@ -82,6 +82,7 @@ class AgentConfig:
     batch_max_bytes: int = 256 * 1024
     batch_max_delay: float = 0.0
     poll_interval: float = 0.15
+    follow_mode: str = "auto"  # auto: inotify where the filesystem reports writes | poll: always poll
     discover_interval: float = 1.0
     heartbeat_interval: float = 5.0
     clock_interval: float = 30.0
@@ -127,6 +128,7 @@ _FIELD_TYPES: dict[str, type] = {
     "batch_max_bytes": int,
     "batch_max_delay": float,
     "poll_interval": float,
+    "follow_mode": str,
     "discover_interval": float,
     "heartbeat_interval": float,
     "clock_interval": float,
@@ -223,6 +225,8 @@ def validate(values: Mapping[str, Any]) -> AgentConfig:
     url = parse_broker_url(cfg.broker)
     if cfg.mqtt_version not in ("auto", "5", "3.1.1"):
         raise ConfigError("mqtt_version must be auto, 5 or 3.1.1")
+    if cfg.follow_mode not in ("auto", "poll"):
+        raise ConfigError("follow_mode must be auto or poll")
     if cfg.topic_style not in ("sender", "job"):
         raise ConfigError("topic_style must be sender or job")
     if cfg.password_file is not None and (cfg.password or url.password):

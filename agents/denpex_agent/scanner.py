@@ -194,6 +194,12 @@ class LineScanner:
         self._last_emit = now
         return self._newest_progress()
 
+    def progress_due_at(self) -> float | None:
+        """When `due_progress` would have a tip to send (clock time), None if it has none."""
+        if self._clock is None or self.progress_interval <= 0 or self._base == self._progress_seen_upto:
+            return None
+        return self._last_emit + self.progress_interval
+
     @property
     def offset(self) -> int:
         """File offset up to which every byte has been turned into events."""

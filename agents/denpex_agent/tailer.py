@@ -13,6 +13,12 @@ Files are keyed by identity (device, inode, hash of their first bytes), never by
   at offset 0 under a new identity (the lines written after the copy are read, not lost);
 * deletion: read to the end, then closed; a glob matching nothing, a directory, a dangling
   link or an unreadable file: one warning per path, counted, retried at the next discovery.
+
+With ``watch=True`` the tailer learns of writes from inotify (`denpex_agent.watcher`): it watches
+the directories of its files and of its globs' roots, and `poll()` looks only at the files an
+event named, plus those inotify cannot vouch for (on a network filesystem, being drained after a
+rotation, holding an unfinished line or record, owing a progress tip). `wait()` blocks until an
+event or a deadline; `due_in()` says when the next look is owed without any event.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from denpex_agent.events import Event, file_identity, identity_matches
 from denpex_agent.matcher import Matcher
 from denpex_agent.reader import HEAD_SAMPLE, is_log_name
 from denpex_agent.scanner import TAIL_BYTES, LineScanner, Source
+from denpex_agent.watcher import Changes, fstype, is_network_fs, open_watcher, parse_mounts, read_mounts
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +80,8 @@ class Followed:
     flushed: int = 0  # 0: nothing closed since the last growth, 1: closed when idle, 2: forced
     lag: int = 0  # bytes written but not read, as of the last look
     held_since: float | None = None  # when the scanner began holding an unfinished line/record
+    key: str = ""  # the resolved path, as inotify events name it
+    watched: bool = False  # inotify reports its writes (its directory is watched, on a local fs)
 
 
 @dataclass(slots=True)
@@ -104,6 +113,8 @@ class Tailer:
         progress_interval: float = 1.0,
         fold_timeout: float = FOLD_TIMEOUT_S,
         clock: Callable[[], float] = time.time,
+        watch: bool = False,
+        mounts: Callable[[], str] = read_mounts,
     ) -> None:
         self.globs = globs
         self.matcher = matcher
@@ -121,6 +132,16 @@ class Tailer:
         self.stats = TailStats()
         self._now = 0.0  # the clock at the latest poll
         self._warned: set[tuple[str, str]] = set()
+        # inotify (None: every poll looks at every file, as on platforms without it)
+        self.watcher = open_watcher() if watch else None
+        self._read_mounts = mounts
+        self._mounts: list[tuple[str, str]] | None = None  # parsed once per discovery, when needed
+        self._changed: set[str] = set()  # paths events named since the last poll
+        self._look_all = True  # the next poll looks at every file (start, discovery, overflow)
+        self.discover_wanted = False  # a name appeared, went or moved in a watched directory
+        self.roots_watched = False  # every glob's directories are watched: new files are heard of
+        self.polls = 0  # calls of poll()
+        self.looks = 0  # files looked at (fstat) by those calls
 
     # -- warnings -------------------------------------------------------------------------------
 
@@ -134,6 +155,11 @@ class Tailer:
 
     def discover(self) -> None:
         """Open files that match the globs and are not followed yet; notice rotations."""
+        self._mounts = None
+        self.discover_wanted = False
+        if self.watcher is not None:
+            self._look_all = True  # a missed event costs at most one discovery interval
+            self.roots_watched = self._watch_roots()
         for f in self.files:
             if f.draining:
                 continue
@@ -157,6 +183,93 @@ class Tailer:
                 if path in followed_paths:
                     continue
                 self._maybe_open(path, pattern, followed_ids)
+
+    # -- inotify --------------------------------------------------------------------------------
+
+    def _fstype(self, path: str) -> str:
+        if self._mounts is None:
+            self._mounts = parse_mounts(self._read_mounts())
+        return fstype(path, self._mounts)
+
+    def _watch_dir(self, directory: str) -> bool:
+        """Watch a directory; False where inotify would not report its changes."""
+        w = self.watcher
+        if w is None:
+            return False
+        real = os.path.realpath(directory)
+        if w.watching(real):
+            return True
+        if not os.path.isdir(real) or is_network_fs(self._fstype(real)):
+            return False
+        return w.add(real)
+
+    def _watch_roots(self) -> bool:
+        """Watch each glob's static root and the directories its directory part matches (new
+        files, rotations and new sub-directories are heard of); True if all could be."""
+        ok = True
+        for pattern in self.globs:
+            d = os.path.dirname(pattern) or "."
+            dirs = {_static_prefix(pattern) or "."}
+            if any(c in d for c in "*?["):
+                dirs.update(glob.glob(d, recursive=True))
+            else:
+                dirs.add(d)
+            for directory in dirs:
+                ok = self._watch_dir(directory) and ok
+        return ok
+
+    @property
+    def watching(self) -> bool:
+        return self.watcher is not None
+
+    def wake(self) -> None:
+        """Interrupt `wait` (any thread)."""
+        if self.watcher is not None:
+            self.watcher.wake()
+
+    def wait(self, timeout: float) -> bool:
+        """Block until inotify reports a change (True), a `wake`, or ``timeout`` seconds."""
+        if self.watcher is None:
+            return False
+        ch = self.watcher.wait(timeout)
+        self._take(ch)
+        return bool(ch)
+
+    def _take(self, ch: Changes) -> None:
+        if ch.overflow:  # the kernel dropped events: look at everything
+            self._look_all = True
+            self.discover_wanted = True
+        if ch.structure:
+            self.discover_wanted = True
+        if ch.paths:
+            self._changed |= ch.paths
+
+    def due_in(self, poll_interval: float) -> float:
+        """Seconds until a look is owed even if no event comes: ``poll_interval`` without
+        inotify or for a file it cannot vouch for; else the next fold, flush or progress tip."""
+        if self.watcher is None:
+            return poll_interval
+        now = self.clock()
+        due = float("inf")
+        for f in self.files:
+            if not f.watched or f.draining or f.lag:
+                return poll_interval
+            sc = f.scanner
+            if sc.pending and f.flushed < 2:
+                idle = now - f.last_growth
+                limit = FOLD_IDLE_S if f.flushed < 1 and sc.open_record else self.fold_timeout
+                due = min(due, limit - idle)
+            tip = sc.progress_due_at()
+            if tip is not None:
+                due = min(due, max(tip, f.last_growth + poll_interval) - now)
+        return max(due + 0.005, 0.0)
+
+    def _skip(self, f: Followed, changed: set[str], now: float) -> bool:
+        """Nothing can have happened to this file since the last look (inotify said nothing)."""
+        if not f.watched or f.draining or f.lag or f.key in changed or f.scanner.pending:
+            return False
+        tip = f.scanner.progress_due_at()
+        return tip is None or tip > now
 
     def _maybe_open(self, path: str, pattern: str, followed_ids: set[tuple[int, int]]) -> None:
         try:
@@ -214,6 +327,15 @@ class Tailer:
             before = os.pread(fh.fileno(), min(start, TAIL_BYTES), start - min(start, TAIL_BYTES))
             scanner.prime(before, sample)
         now = self.clock()
+        key = os.path.realpath(path)
+        watched = self._watch_dir(os.path.dirname(key))
+        if self.watcher is not None and not watched:
+            kind = self._fstype(key)
+            log.info(
+                "inotify cannot report this file's writes; polling it path=%s fstype=%s",
+                path,
+                kind or "unknown",
+            )
         self.files.append(
             Followed(
                 path,
@@ -226,6 +348,8 @@ class Tailer:
                 start,
                 last_growth=now,
                 head=known_head,
+                key=key,
+                watched=watched,
             )
         )
         self.stats.files_opened += 1
@@ -292,12 +416,24 @@ class Tailer:
         marks: list[Mark] = []
         more = False
         now = self._now = self.clock()
+        self.polls += 1
+        look_all = True
+        changed: set[str] = set()
+        if self.watcher is not None:
+            self._take(self.watcher.read_events())
+            look_all, changed = self._look_all, self._changed
+            self._look_all, self._changed = False, set()
         for f in list(self.files):
+            if not look_all and self._skip(f, changed, now):
+                continue
             self.scanning = f.path
             f.scanner.matcher = self.matcher  # a reload swaps the matcher between polls
             if budget <= 0:
                 more = True
+                self._look_all |= look_all  # the files not reached are looked at next time
+                self._changed |= changed
                 break
+            self.looks += 1
             try:
                 fd = f.fh.fileno()
                 st = os.fstat(fd)
@@ -429,6 +565,8 @@ class Tailer:
         for f in self.files:
             f.fh.close()
         self.files.clear()
+        if self.watcher is not None:
+            self.watcher.close()
 
 
 def _head_len(identity: str) -> int:
