@@ -144,28 +144,48 @@ def test_a_file_that_vanishes_or_cannot_be_read_gives_the_same_warnings(
     assert two["read"]["files"] == 24
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root reads a file whatever its mode")
-@pytest.mark.usefixtures("one_file_per_task")
-def test_a_file_without_read_permission_gives_the_same_warnings(
-    tmp_path: Path, library: RuleSet, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    job = _small_files_job(tmp_path / "job", 8)
-    locked = job / "node2" / "rank2.log"
-    discover = diagnosecmd.discover
+def test_a_file_without_read_permission_gives_the_same_warnings(tmp_path: Path) -> None:
+    """Three files of 17 MiB (one task each, so -j 2 really uses the pool), one without read
+    permission: the same diagnosis and the same warning naming it with -j 1 and -j 2. Run as a
+    subprocess that cannot bypass file modes (as root: without CAP_DAC_OVERRIDE/READ_SEARCH)."""
+    line = b"2026-11-29 12:00:01,000 INFO [rank0] step 1 | loss 7.0 | grad_norm 1.0\n"
+    for r in range(3):
+        (tmp_path / "node0").mkdir(exist_ok=True)
+        (tmp_path / "node0" / f"rank{r}.log").write_bytes(line * ((17 << 20) // len(line) + 1))
+    locked = tmp_path / "node0" / "rank1.log"
+    locked.chmod(0)
+    prefix: list[str] = []
+    if os.geteuid() == 0:
+        caps = "-dac_override,-dac_read_search"
+        prefix = ["setpriv", f"--inh-caps={caps}", f"--bounding-set={caps}"]
 
-    def discover_then_lock(*args: Any) -> list[LogFile]:
-        found = discover(*args)
-        locked.chmod(0)
-        return found
+    def run(jobs: str) -> dict[str, Any]:
+        p = subprocess.run(
+            [
+                *prefix,
+                sys.executable,
+                "-m",
+                "denpexd",
+                "diagnose",
+                str(tmp_path),
+                "-j",
+                jobs,
+                "--format",
+                "json",
+            ],
+            capture_output=True,
+            check=False,
+            timeout=300,
+        )
+        assert p.returncode == 0, p.stderr
+        return dict(orjson.loads(p.stdout))
 
-    monkeypatch.setattr(diagnosecmd, "discover", discover_then_lock)
     try:
-        one = diagnose_paths([str(job)], rules=library)
-        locked.chmod(0o644)
-        two = diagnose_paths([str(job)], rules=library, jobs=2)
+        one, two = run("1"), run("2")
     finally:
         locked.chmod(0o644)
-    assert _canon(two) == _canon(one) and any(str(locked) in w for w in two["read"]["warnings"])
+    assert _canon(two) == _canon(one)
+    assert any(str(locked) in w for w in two["read"]["warnings"]), two["read"]["warnings"]
 
 
 def test_ctrl_c_stops_the_workers(tmp_path: Path) -> None:
