@@ -80,7 +80,9 @@ PROGRESS_CATEGORY = "progress"
 FOLDS = ("python-traceback", "elastic-failure")
 
 # Named groups a pattern may use. Numbers are parsed by the reader (int or float).
-INT_FIELDS = frozenset({"rank", "local_rank", "culprit_rank", "step", "exitcode", "signal", "pid", "seq"})
+INT_FIELDS = frozenset(
+    {"rank", "local_rank", "culprit_rank", "step", "total", "exitcode", "signal", "pid", "seq"}
+)
 FLOAT_FIELDS = frozenset({"loss", "grad_norm", "scale", "data_time", "step_time"})
 STR_FIELDS = frozenset({"node", "exception", "op"})
 FIELD_NAMES = INT_FIELDS | FLOAT_FIELDS | STR_FIELDS

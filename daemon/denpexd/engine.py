@@ -177,9 +177,14 @@ class Engine:
         return out
 
     def _finished(self, tracks: dict[tuple[str, int | None], RankTrack]) -> bool | None:
-        """Whether a rank logged the end of training (None: no rank logged a step)."""
+        """Whether a rank logged the end of training or its planned last step (None: no rank
+        logged a step)."""
         if not tracks:
             return None
+        for t in tracks.values():
+            total = t.last_progress.fields.get("total") if t.last_progress is not None else None
+            if isinstance(total, int) and t.last_step is not None and t.last_step >= total:
+                return True  # it logged its planned last step
         for ev in self.markers.values():
             rule = self.rules.get(ev.rule or "")
             if rule is not None and rule.marker == "end":

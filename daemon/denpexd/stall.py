@@ -11,9 +11,11 @@ arrival when they have none).
 The job is stalled when no rank has advanced for longer than its threshold:
 ``max(stall_floor_s, stall_factor x the median recent step interval)``, or ``stall_pause_s``
 while a marker line announced an expected pause (an evaluation, a checkpoint being written)
-that no step has ended yet. A rank that logged the end of training is done; once one has, the
-job only counts as stalled when another rank's last step is behind the finished rank's (the
-classic uneven last batch: the others wait for it in a collective forever).
+that no step has ended yet. A rank that logged the end of training, or its planned last step (``step 30/30``,
+``iteration 30/ 30``), is done; once one has, the job only counts as stalled when another rank's
+last step is behind the finished rank's (the classic uneven last batch: the others wait for it in
+a collective forever). Any later step line is activity, also one with a lower number (a counter
+that restarts every epoch).
 
 The suspect: the rank whose last step is behind the others' (evidence: it stopped first), when
 the ranks behind are at most half of them (else the ranks ahead are the odd ones). When every
@@ -73,13 +75,21 @@ class StallWatch:
         if pace is None:
             self.ranks[key] = Pace(step, now, ev.ts, ev)
             self.last_advance = max(self.last_advance, now)
+            total = ev.fields.get("total")
+            if total.__class__ is int and step >= total:
+                self.ended[key] = step
             return
-        if step <= pace.step:
+        total = ev.fields.get("total")
+        if total.__class__ is int and step >= total:
+            self.ended[key] = step  # the rank logged its planned last step
+        if not _newer(ev, pace.event):
             return
-        if ev.ts is not None and pace.ts is not None and ev.ts > pace.ts:
-            self.intervals.append((ev.ts - pace.ts) / (step - pace.step))
-        elif now > pace.at:
-            self.intervals.append((now - pace.at) / (step - pace.step))
+        if step > pace.step:
+            if ev.ts is not None and pace.ts is not None and ev.ts > pace.ts:
+                self.intervals.append((ev.ts - pace.ts) / (step - pace.step))
+            elif now > pace.at:
+                self.intervals.append((now - pace.at) / (step - pace.step))
+        # a later step line is activity even when its number is lower (a counter per epoch)
         pace.step, pace.at, pace.ts, pace.event = step, now, ev.ts, ev
         self.last_advance = now
         if self.pause is not None and now > self.pause[1]:
@@ -146,6 +156,16 @@ class StallWatch:
             "text": ev.text,
             "local_time": format_iso(ev.ts) if ev.ts is not None else None,
         }
+
+
+def _newer(ev: Event, last: Event) -> bool:
+    """Whether a step line comes after the last one seen of its rank: further in the same file,
+    else (another file: a launcher's copy) later by its own time, or with a higher step."""
+    if ev.file == last.file:
+        return ev.offset > last.offset
+    if ev.ts is not None and last.ts is not None:
+        return ev.ts > last.ts
+    return int(ev.fields.get("step", 0)) > int(last.fields.get("step", 0))
 
 
 def overlay(doc: dict[str, Any], stall: dict[str, Any] | None, explained: dict[str, Any]) -> None:

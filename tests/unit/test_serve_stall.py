@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -205,3 +206,33 @@ async def test_the_watch_is_off_with_a_zero_floor(tmp_path: Path, library: RuleS
     async with harness(tmp_path, library, stall_floor_s=0.0) as h:
         await h.steps(20)
         assert (await h.at(1000.0))["stall"] is None
+
+
+def _epoch_step(rank: int, n: int, step: int, total: int | None = None) -> Event:
+    """The n-th step line of a rank's file, numbered ``step`` (a counter that may restart)."""
+    ev = _step(rank, step)
+    fields: dict[str, Any] = {"step": step, "tip": True}
+    if total is not None:
+        fields["total"] = total
+    return dataclasses.replace(ev, id=f"r{rank}-n{n}", offset=n * 80, line_no=n, fields=fields)
+
+
+@pytest.mark.asyncio
+async def test_a_counter_that_restarts_every_epoch_is_still_progress(
+    tmp_path: Path, library: RuleSet
+) -> None:
+    async with harness(tmp_path, library) as h:
+        for n in range(40):  # two epochs of 20 steps: 0..19, 0..19
+            h.clock.t = n * STEP_S
+            await h.feed([_epoch_step(r, n, n % 20) for r in range(4)])
+        doc = await h.at(39 * STEP_S + 0.5)
+        assert doc["stall"] is None and doc["verdict"] == "healthy"
+
+
+@pytest.mark.asyncio
+async def test_a_rank_at_its_planned_last_step_is_done(tmp_path: Path, library: RuleSet) -> None:
+    async with harness(tmp_path, library) as h:
+        for n in range(1, 31):
+            h.clock.t = n * STEP_S
+            await h.feed([_epoch_step(r, n, n, total=30) for r in range(4)])
+        assert (await h.at(100.0))["stall"] is None and h.sink.alerts == []
