@@ -29,6 +29,7 @@ import pytest
 from denpex_agent.rules import RuleSet
 from tests.integration.agent_harness import free_port
 from tests.integration.replay import load_case, replay
+from tests.integration.test_html_report import _expected_lanes as expected_lanes
 from tests.integration.test_html_report import browser  # noqa: F401 - the shared Chromium fixture
 
 pytestmark = [pytest.mark.integration]
@@ -149,6 +150,8 @@ def test_the_live_page_follows_the_job(serve: Serve, browser: Any, library: Rule
             ini["node"],
             str(ini["rank"]),
         )
+        assert page.locator(".lanes .lane").count() == len(expected_lanes(doc))
+        assert page.locator(".lane .mark.collateral").count() == len(doc["collateral"])
         shot = tmp_path / "live-after.png"
         page.screenshot(path=str(shot), full_page=True)
         print(f"\nlive page screenshots: {tmp_path / 'live-before.png'} {shot}")
