@@ -44,6 +44,7 @@ from denpexd.analysis.tracks import (
     RankTrack,
     StepMax,
     aligned_order,
+    at_planned_end,
     event_order,
 )
 from denpexd.analysis.trends import scale_fall, step_at, trends
@@ -85,7 +86,7 @@ class Engine:
         self.unranked_tracks: dict[tuple[str, str, int | None], RankTrack] = {}
         self.progress: dict[str, NodeProgress] = {}  # node -> its ranks' pooled progress samples
         self.agent_offsets: dict[str, tuple[float, float]] = {}
-        self.markers: dict[tuple[str, int | None], Event] = {}  # (node, rank) -> newest marker
+        self.marker_rules: set[str] = set()  # the marker rules (pause, end of training) that matched
         self.curves: dict[str, StepMax] = {}  # loss, grad norm: the largest value per step
         self.min_scale: float | None = None  # the smallest loss scale any line reported
         self.scale_levels: dict[float, Event] = {}  # each loss scale reported -> its first line
@@ -119,8 +120,8 @@ class Engine:
         rule = ev.rule
         if rule is None:
             return
-        if ev.role == "marker":
-            self._marker(ev)
+        if ev.role == "marker":  # never part of the failure analysis; `finished` reads them
+            self.marker_rules.add(rule)
             return
         scale = ev.fields.get("scale")
         if isinstance(scale, float) and math.isfinite(scale):
@@ -181,15 +182,16 @@ class Engine:
         logged a step)."""
         if not tracks:
             return None
-        for t in tracks.values():
-            total = t.last_progress.fields.get("total") if t.last_progress is not None else None
-            if isinstance(total, int) and t.last_step is not None and t.last_step >= total:
-                return True  # it logged its planned last step
-        for ev in self.markers.values():
-            rule = self.rules.get(ev.rule or "")
-            if rule is not None and rule.marker == "end":
-                return True
-        return False
+        if any(
+            t.last_progress is not None
+            and t.last_step is not None
+            and at_planned_end(t.last_step, t.last_progress.fields)
+            for t in tracks.values()
+        ):
+            return True
+        return any(
+            (r := self.rules.get(rule_id)) is not None and r.marker == "end" for rule_id in self.marker_rules
+        )
 
     def _scale(self, scale: float, ev: Event) -> None:
         """Keep the smallest loss scale and, per distinct scale (a few dozen powers of two), the
@@ -202,14 +204,6 @@ class Engine:
                 self.scale_levels[scale] = _kept(ev)
         elif event_order(ev) < event_order(old):
             self.scale_levels[scale] = _kept(ev)
-
-    def _marker(self, ev: Event) -> None:
-        """Keep each rank's newest marker (pause or end of training): markers never take part in
-        the failure analysis; the stall check reads them."""
-        key = (ev.node, ev.rank if ev.rank is not None else ev.local_rank)
-        old = self.markers.get(key)
-        if old is None or event_order(ev) > event_order(old):
-            self.markers[key] = _kept(ev)
 
     def _room_for(self, ev: Event) -> bool:
         """Whether a new aggregate may be kept (see the bounds above); if not, the event is

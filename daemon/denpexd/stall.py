@@ -32,6 +32,7 @@ from typing import Any
 
 from denpex_agent.events import Event
 from denpex_agent.timestamps import format_iso
+from denpexd.analysis.tracks import at_planned_end
 
 STALL_RULE = "job-progress-stalled"
 INTERVALS = 64  # recent step intervals the threshold is based on
@@ -70,18 +71,14 @@ class StallWatch:
         step = ev.fields.get("step")
         if step.__class__ is not int:
             return
-        key = (ev.node, ev.rank if ev.rank is not None else ev.file)
+        key = self._key(ev)
+        if at_planned_end(step, ev.fields):
+            self.ended[key] = step
         pace = self.ranks.get(key)
         if pace is None:
             self.ranks[key] = Pace(step, now, ev.ts, ev)
             self.last_advance = max(self.last_advance, now)
-            total = ev.fields.get("total")
-            if total.__class__ is int and step >= total:
-                self.ended[key] = step
             return
-        total = ev.fields.get("total")
-        if total.__class__ is int and step >= total:
-            self.ended[key] = step  # the rank logged its planned last step
         if not _newer(ev, pace.event):
             return
         if step > pace.step:
@@ -99,8 +96,9 @@ class StallWatch:
         if kind == "pause":
             self.pause = (ev, now)
         elif kind == "end":
-            pace = self.ranks.get(self._key(ev))
-            self.ended[self._key(ev)] = pace.step if pace is not None else -1
+            key = self._key(ev)
+            pace = self.ranks.get(key)
+            self.ended[key] = pace.step if pace is not None else -1
 
     def interval(self) -> float | None:
         return statistics.median(self.intervals) if len(self.intervals) >= MIN_INTERVALS else None

@@ -12,6 +12,7 @@ import statistics
 from array import array
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from denpex_agent.events import Event
 
@@ -62,6 +63,12 @@ class Aggregate:
         first = other.first if event_order(other.first) < event_order(self.first) else self.first
         lasts = [t for t in (self.last_ts, other.last_ts) if t is not None]
         return Aggregate(first, self.count + other.count, max(lasts) if lasts else None)
+
+
+def at_planned_end(step: int, fields: dict[str, Any]) -> bool:
+    """Whether a step line is its run's planned last step (``step 30/30``: the ``total`` field)."""
+    total = fields.get("total")
+    return total.__class__ is int and step >= total
 
 
 class StepSamples:
