@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +12,7 @@ import pytest
 from denpex_agent.timestamps import parse_iso
 from denpexd.diagnosecmd import diagnose_paths
 from denpexd.templates import template
+from tests.integration.test_diagnose_cli import denpexd
 
 REPO = Path(__file__).resolve().parents[2]
 JOBS = REPO / "tests" / "fixtures" / "jobs"
@@ -33,17 +32,6 @@ SAME_SHAPE = [
     if j.removesuffix("_skew") in ("alloc_fail", "barrier_timeout", "dataloader", "exception", "hang")
 ] + ["exception_rdzv_info"]
 ENTRY = {"node", "rank", "time", "file", "line", "text"}
-
-
-def denpexd(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "denpexd", *args],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        timeout=300,
-        check=False,
-    )
 
 
 def _t(iso: str | None) -> float:

@@ -10,7 +10,6 @@ import asyncio
 import json
 import shutil
 import subprocess
-import sys
 import uuid
 from pathlib import Path
 from typing import Any
@@ -19,22 +18,12 @@ import pytest
 
 from denpex_agent.rules import RuleSet
 from tests.integration.replay import Daemon, load_case, replay
+from tests.integration.test_diagnose_cli import denpexd
 
 pytestmark = [pytest.mark.integration]
 
 REPO = Path(__file__).resolve().parents[2]
 JOBS = REPO / "tests" / "fixtures" / "jobs"
-
-
-def denpexd(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "denpexd", *args],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        timeout=300,
-        check=False,
-    )
 
 
 def verify_json(*args: str) -> tuple[int, dict[str, Any]]:
