@@ -360,8 +360,13 @@ class Engine:
         if alike:
             first_error = min((a.first for a in failing), key=lambda ev: aligned_order(ev, aligned))
             explained = root_cause(rules, first_error.rule or "", first_error.category or "")
+        # a loss scale below 1 leaves every step skipped or worthless: the job no longer trains
+        collapsed = next((t for t in trend if t["kind"] == "collapse"), None)
         if failing:
             verdict = "failed"
+        elif collapsed is not None:
+            verdict = "failed"
+            explained = root_cause(rules, collapsed["rule"], "numerical-instability")
         elif slow or trend or drops_degrade:
             verdict = "degraded"
             if trend:
@@ -384,7 +389,7 @@ class Engine:
             "job": self.job,
             "verdict": verdict,
             "initiator": candidate_dict(shown) if shown else None,
-            "scope": "job" if shared is not None or alike else "rank",
+            "scope": "job" if shared is not None or alike or (collapsed and not failing) else "rank",
             "root_cause": explained,
             "candidates": [candidate_dict(c) for c in ranked[:MAX_CANDIDATES_SHOWN]],
             "collateral": rows,

@@ -6,7 +6,7 @@ import itertools
 from typing import Any
 
 from denpex_agent.events import Event
-from denpex_agent.rules import RuleSet
+from denpex_agent.rules import RuleSet, load_rules
 from denpexd.engine import Engine
 
 T0 = 1_795_953_600.0
@@ -115,6 +115,24 @@ def test_healthy_and_degraded_verdicts(unit_rules: RuleSet) -> None:
     d = e.diagnose()
     assert d["verdict"] == "degraded"
     assert [(s["node"], s["rank"]) for s in d["stragglers"]] == [("node2", 2)]
+
+
+def test_a_loss_scale_below_one_fails_the_job_not_a_rank() -> None:
+    rules = load_rules()
+    e = Engine("j", rules)
+    scale = 2.0**16
+    for s in range(1, 41):  # settles, trains, then halves on every step (every step overflows)
+        for r in (0, 1):
+            e.add(ev("a", r, T0 + s, None, rules, step=s))
+        if s < 4 or s > 20:
+            scale /= 2
+            rule = "deepspeed-loss-scale-overflow" if scale >= 1 else "loss-scale-reported-below-one"
+            e.add(ev("a", 0, T0 + s + 0.5, rule, rules, scale=scale))
+        if s == 30:  # scale 8
+            assert e.diagnose()["verdict"] == "degraded"  # still above 1: falling, not collapsed
+    d = e.diagnose()
+    assert scale < 1 and d["verdict"] == "failed" and d["scope"] == "job"
+    assert d["initiator"] is None and d["root_cause"]["rule"] == "loss-scale-collapse"
 
 
 def test_symptoms_of_another_story_are_not_candidates(unit_rules: RuleSet) -> None:
