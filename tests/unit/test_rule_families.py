@@ -55,6 +55,7 @@ FAMILY_RULES = (
     "no-cuda-gpus",
     "driver-too-old",
     "file-not-found",
+    "ddp-unfinished-reduction",
     # hardware
     "illegal-memory-access",
     "cublas-error",
@@ -65,7 +66,6 @@ FAMILY_RULES = (
     "nccl-unhandled-cuda-error",
     # user-code-exception
     "device-side-assert",
-    "ddp-unfinished-reduction",
     "device-mismatch",
     "backward-twice",
     "inplace-modified-for-grad",
