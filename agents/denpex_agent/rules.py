@@ -62,8 +62,8 @@ SCHEMA = 1
 SEVERITIES = ("info", "warning", "error", "critical")
 ROLES = ("root-cause", "symptom", "collateral", "progress", "marker")
 # What a marker line announces: a pause in the step lines that is expected (evaluation,
-# checkpoint saving), or the end of training.
-MARKERS = ("pause", "end")
+# checkpoint saving), the end of training, or the global rank a process took at start-up.
+MARKERS = ("pause", "end", "identity")
 CATEGORIES = (
     "numerical-instability",
     "out-of-memory",
@@ -81,7 +81,19 @@ FOLDS = ("python-traceback", "elastic-failure")
 
 # Named groups a pattern may use. Numbers are parsed by the reader (int or float).
 INT_FIELDS = frozenset(
-    {"rank", "local_rank", "culprit_rank", "step", "total", "exitcode", "signal", "pid", "seq"}
+    {
+        "rank",
+        "local_rank",
+        "culprit_rank",
+        "step",
+        "total",
+        "exitcode",
+        "signal",
+        "pid",
+        "seq",
+        "announced_rank",
+        "world_size",
+    }
 )
 FLOAT_FIELDS = frozenset({"loss", "grad_norm", "scale", "data_time", "step_time"})
 STR_FIELDS = frozenset({"node", "exception", "op"})

@@ -23,6 +23,22 @@ def who(d: dict[str, Any]) -> str:
     return f"node {d['node']} rank {rank if rank is not None else '-'}"
 
 
+def job_failure(d: dict[str, Any]) -> str | None:
+    """The sentence for a job that failed as a whole by what the engine inferred rather than by a
+    line every rank logged, or None."""
+    if d.get("duplicate_ranks"):
+        return (
+            "the launch gave the same global rank to several processes (duplicate-global-rank): "
+            "the job's set-up, not one rank, is the cause"
+        )
+    if any(t.get("kind") == "collapse" for t in d.get("trends") or []) and not d.get("candidates"):
+        return (
+            "the loss scale collapsed below 1 (loss-scale-collapse): every step overflows on the "
+            "all-reduced gradients, so the job, not one rank, stopped training"
+        )
+    return None
+
+
 def last_line(text: str | None) -> str:
     lines = (text or "").strip().splitlines()
     return lines[-1] if lines else ""

@@ -32,6 +32,7 @@ from denpexd.analysis.collateral import collateral
 from denpexd.analysis.evidence import candidate_dict, evidence, rank_table, root_cause
 from denpexd.analysis.fingerprints import LOSS_SCALE_DROPS_DEGRADED, nan_fingerprint, scale_drops
 from denpexd.analysis.hang import HANG_RULE, hang_suspect
+from denpexd.analysis.identity import DUPLICATE_RULE, Claims, add_claim, duplicate_ranks
 from denpexd.analysis.matches import matches
 from denpexd.analysis.scope import job_wide
 from denpexd.analysis.story import KILLED_RULE, MAX_CANDIDATES_SHOWN, candidates, rank_candidates, witnesses
@@ -87,6 +88,7 @@ class Engine:
         self.progress: dict[str, NodeProgress] = {}  # node -> its ranks' pooled progress samples
         self.agent_offsets: dict[str, tuple[float, float]] = {}
         self.marker_rules: set[str] = set()  # the marker rules (pause, end of training) that matched
+        self.rank_claims: Claims = {}  # global rank announced at start-up -> who announced it
         self.curves: dict[str, StepMax] = {}  # loss, grad norm: the largest value per step
         self.min_scale: float | None = None  # the smallest loss scale any line reported
         self.scale_levels: dict[float, Event] = {}  # each loss scale reported -> its first line
@@ -120,8 +122,11 @@ class Engine:
         rule = ev.rule
         if rule is None:
             return
-        if ev.role == "marker":  # never part of the failure analysis; `finished` reads them
+        if ev.role == "marker":  # not failures; `finished` and the duplicate-rank check read them
             self.marker_rules.add(rule)
+            announced = ev.fields.get("announced_rank")
+            if isinstance(announced, int) and not (ev.local_rank is not None and tee_echo(ev.text)):
+                add_claim(self.rank_claims, announced, ev.node, ev.rank, ev.ts)
             return
         scale = ev.fields.get("scale")
         if isinstance(scale, float) and math.isfinite(scale):
@@ -362,7 +367,13 @@ class Engine:
             explained = root_cause(rules, first_error.rule or "", first_error.category or "")
         # a loss scale below 1 leaves every step skipped or worthless: the job no longer trains
         collapsed = next((t for t in trend if t["kind"] == "collapse"), None)
-        if failing:
+        # two processes took the same global rank: the launch itself is wrong, whatever followed
+        dups = duplicate_ranks(self.rank_claims, aligned, failure_start)
+        if dups:
+            verdict = "failed"
+            explained = root_cause(rules, DUPLICATE_RULE, "configuration")
+            shared = initiator = None
+        elif failing:
             verdict = "failed"
         elif collapsed is not None:
             verdict = "failed"
@@ -385,11 +396,12 @@ class Engine:
             if failing
             else []
         )
+        job_scope = shared is not None or alike or bool(dups) or (collapsed is not None and not failing)
         out: dict[str, Any] = {
             "job": self.job,
             "verdict": verdict,
             "initiator": candidate_dict(shown) if shown else None,
-            "scope": "job" if shared is not None or alike or (collapsed and not failing) else "rank",
+            "scope": "job" if job_scope else "rank",
             "root_cause": explained,
             "candidates": [candidate_dict(c) for c in ranked[:MAX_CANDIDATES_SHOWN]],
             "collateral": rows,
@@ -398,6 +410,7 @@ class Engine:
             "clock": {n: c.to_dict() for n, c in sorted(clocks.items())},
             "fingerprints": {"nan": nan_fingerprint(aggs, tracks, aligned, rules)},
             "evidence": evidence(initiator[0]) if initiator else None,
+            "duplicate_ranks": dups,
             "chain": chain(shown[0], aggs, aligned, self.progress) if shown else None,
             "stragglers": slow,
             "trends": trend,

@@ -24,6 +24,7 @@ from denpexd.docview import (
     chain_lag,
     collateral_by_rule,
     evidence_lines,
+    job_failure,
     last_line,
     offset,
     prose,
@@ -159,7 +160,9 @@ def _headline(d: dict[str, Any]) -> list[str]:
     if d.get("verdict") == "failed" and d.get("scope") == "job" and not ini and not stall:
         shared = [c for c in d.get("candidates") or [] if c.get("rule") == rc.get("rule")]
         ranks = sorted({c["rank"] for c in shared if c.get("rank") is not None})
-        if shared:
+        if (whole := job_failure(d)) is not None:
+            out.append(f"**No single rank:** {text(whole)}.")
+        elif shared:
             out.append(
                 f"**No single rank:** every rank failed the same way ({span(rc.get('rule'))}"
                 + (f", ranks {text(rank_ranges(ranks))}" if ranks else "")
@@ -292,6 +295,14 @@ def _trends(trends: list[dict[str, Any]]) -> list[str]:
         )
     head = ["metric", "kind", "rule", "from step", "detected at", "value", "baseline", "peak", "end"]
     return _section("Trends (against the job's own history)", table(head, rows) if rows else [])
+
+
+def _duplicates(dups: list[dict[str, Any]]) -> list[str]:
+    rows = [
+        [text(str(dup["rank"])), text(", ".join(f"{c['node']} rank {_rank(c.get('rank'))}" for c in dup["claimed_by"]))]
+        for dup in dups
+    ]
+    return _section("Global ranks announced twice", table(["global rank", "announced by"], rows) if rows else [])
 
 
 def _stragglers(stragglers: list[dict[str, Any]]) -> list[str]:
@@ -455,6 +466,7 @@ def render_markdown(d: dict[str, Any]) -> str:
     out += _candidates(d)
     out += _stall(d.get("stall"))
     out += _trends(d.get("trends") or [])
+    out += _duplicates(d.get("duplicate_ranks") or [])
     out += _stragglers(d.get("stragglers") or [])
     out += _not_finished(d)
     out += _collateral(d)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import textwrap
 from typing import Any
 
-from denpexd.docview import chain_lag
+from denpexd.docview import chain_lag, job_failure
 
 EVIDENCE_LINES = 12
 DIVERGENT_RANKS_SHOWN = 8
@@ -164,7 +164,9 @@ def render_text(d: dict[str, Any]) -> str:
         shared = [c for c in d.get("candidates", []) if c.get("rule") == rc.get("rule")]
         ranks = sorted({c["rank"] for c in shared if c.get("rank") is not None})
         out.append("")
-        if shared:
+        if (whole := job_failure(d)) is not None:
+            out.append(f"NO SINGLE RANK  {whole}")
+        elif shared:
             out.append(
                 f"NO SINGLE RANK  every rank failed the same way ({rc.get('rule')}"
                 + (f", ranks {_ranks(ranks)}" if ranks else "")
@@ -200,6 +202,13 @@ def render_text(d: dict[str, Any]) -> str:
         for r in stall["last_steps"][:8]:
             out.append(f"  {_who(r)}  step {r['step']:<8} {r['text'].strip()[:120]}")
     out.extend(_trends(d.get("trends") or []))
+    dups = d.get("duplicate_ranks") or []
+    if dups:
+        out.append("")
+        out.append(f"DUPLICATE RANKS  {len(dups)} global rank(s) announced by more than one process")
+        for dup in dups[:8]:
+            who = ", ".join(_who(c) for c in dup["claimed_by"])
+            out.append(f"  global rank {dup['rank']:<6} announced by {who}")
     stragglers = d.get("stragglers") or []
     if stragglers:
         out.append("")

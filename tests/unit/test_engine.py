@@ -135,6 +135,21 @@ def test_a_loss_scale_below_one_fails_the_job_not_a_rank() -> None:
     assert d["initiator"] is None and d["root_cause"]["rule"] == "loss-scale-collapse"
 
 
+def test_two_nodes_announcing_the_same_global_ranks_fail_the_launch() -> None:
+    rules = load_rules()
+    e = Engine("j", rules)
+    for node in ("a", "b"):  # each node believes it is the first: ranks 0-1 of 4, twice
+        for r in (0, 1):
+            e.add(ev(node, r, T0 + r, "marker-rank-identity", rules, announced_rank=r, world_size=4))
+    e.add(ev("a", 0, T0 + 600, "nccl-watchdog-timeout", rules))  # what such a job runs into
+    d = e.diagnose()
+    assert d["verdict"] == "failed" and d["scope"] == "job" and d["initiator"] is None
+    assert d["root_cause"]["rule"] == "duplicate-global-rank"
+    assert d["root_cause"]["category"] == "configuration"
+    assert [x["rank"] for x in d["duplicate_ranks"]] == [0, 1]
+    assert [c["rule"] for c in d["collateral"]] == ["nccl-watchdog-timeout"]
+
+
 def test_symptoms_of_another_story_are_not_candidates(unit_rules: RuleSet) -> None:
     e = Engine("j", unit_rules)
     e.add(ev("a", 0, T0 + 1.0, "grad-norm-nonfinite", unit_rules))  # numerical warning first...
