@@ -139,6 +139,13 @@ FAMILY_RULES = (
     "nccl-duplicate-gpu",
     "nccl-invalid-usage",
     "process-group-not-initialized",
+    # proven by real lines from public threads, third round (A)
+    "rendezvous-error",
+    "unexpected-pos",
+    "monitored-barrier-failed",
+    "xid-63-64-row-remap",
+    "xid-79-fallen-off-bus",
+    "python-traceback",
 )
 MIN_SOURCES = 3
 
