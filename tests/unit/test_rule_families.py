@@ -139,6 +139,9 @@ FAMILY_RULES = (
     "nccl-duplicate-gpu",
     "nccl-invalid-usage",
     "process-group-not-initialized",
+    # proven by real lines from public threads, third round (B)
+    "megatron-skipped-iterations",
+    "elastic-forceful-exit",
 )
 MIN_SOURCES = 3
 
