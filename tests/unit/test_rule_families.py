@@ -142,6 +142,7 @@ FAMILY_RULES = (
     # proven by real lines from public threads, third round (B)
     "megatron-skipped-iterations",
     "elastic-forceful-exit",
+    "slurm-preemption-node-failure",
 )
 MIN_SOURCES = 3
 
