@@ -27,7 +27,7 @@ def test_every_case_is_complete() -> None:
         assert any(p.is_file() for p in (case / "logs").rglob("*")), case.name
 
 
-def test_scores_stay_at_or_above_the_floor(tmp_path: Path) -> None:
+def test_no_answer_the_floor_holds_as_right_gets_worse(tmp_path: Path) -> None:
     out = tmp_path / "scores.json"
     run = subprocess.run(
         [sys.executable, str(REPO / "bench" / "score_corpus.py"), "--json", str(out),
@@ -38,3 +38,26 @@ def test_scores_stay_at_or_above_the_floor(tmp_path: Path) -> None:
     assert run.returncode == 0, run.stdout + run.stderr
     scores = orjson.loads(out.read_bytes())["scores"]
     assert scores["cases"] == len([p for p in CORPUS.iterdir() if p.is_dir()])
+    floor = orjson.loads((CORPUS / "floor.json").read_bytes())
+    cases = {p.name for p in CORPUS.iterdir() if p.is_dir()}
+    for dim, right in floor["right"].items():
+        assert set(right) <= cases, f"the floor's {dim} names cases that are not in the corpus"
+
+
+def test_the_floor_fails_a_run_that_lost_a_right_answer(tmp_path: Path) -> None:
+    floor = orjson.loads((CORPUS / "floor.json").read_bytes())
+    scores = tmp_path / "scores.json"
+    run = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "score_corpus.py"), "--json", str(scores)],
+        capture_output=True, text=True, timeout=600, cwd=REPO,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    wrong = next(r["case"] for r in orjson.loads(scores.read_bytes())["cases"] if r["verdict"] != r["truth"]["verdict"])
+    floor["right"]["verdict"].append(wrong)  # a floor that holds a miss as right
+    strict = tmp_path / "floor.json"
+    strict.write_bytes(orjson.dumps(floor))
+    run = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "score_corpus.py"), "--floor", str(strict)],
+        capture_output=True, text=True, timeout=600, cwd=REPO,
+    )  # fmt: skip
+    assert run.returncode == 1 and f"verdict of {wrong} no longer right" in run.stderr

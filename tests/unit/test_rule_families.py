@@ -139,13 +139,16 @@ FAMILY_RULES = (
     "nccl-duplicate-gpu",
     "nccl-invalid-usage",
     "process-group-not-initialized",
-    # proven by real lines from public threads, third round (A)
+    # proven by real lines from public threads, third round
     "rendezvous-error",
     "unexpected-pos",
     "monitored-barrier-failed",
     "xid-63-64-row-remap",
     "xid-79-fallen-off-bus",
     "python-traceback",
+    "megatron-skipped-iterations",
+    "elastic-forceful-exit",
+    "slurm-preemption-node-failure",
 )
 MIN_SOURCES = 3
 
