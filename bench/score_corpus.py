@@ -8,7 +8,8 @@ null: every rank failed the same way, `scope: job`, or the thread does not tell,
 engine as `denpexd diagnose`, and scored:
 
 * initiator: right rank where the rank is knowable; no initiator where the scope is the job;
-* category: the initiator's (or, without one, the root cause's) category;
+* category: the initiator's (or, without one, the root cause's; with neither, the most severe
+  matched rule's) category;
 * verdict;
 * confident and wrong: a rank named with confidence >= 0.6 where the truth is "no single rank".
 
@@ -72,16 +73,30 @@ class Score:
 
 
 def said(doc: dict[str, Any]) -> tuple[int | None, float, str | None]:
-    """The diagnosis's initiator rank, its confidence and the category it gives."""
+    """The diagnosis's initiator rank, its confidence and the category it gives: the
+    initiator's, else the root cause's, else (nothing to explain: a healthy job) the category of
+    the most severe rule that matched, earliest first — what the engine recognised in the lines,
+    which is what a healthy case's truth names ("the category if it were a failure")."""
     init = doc.get("initiator") or None
     cause = doc.get("root_cause") or {}
     if init is None:
-        return None, 0.0, cause.get("category")
+        return None, 0.0, cause.get("category") or _recognised(doc)
     return (
         init.get("rank"),
         float(init.get("confidence") or 0.0),
         init.get("category") or cause.get("category"),
     )
+
+
+SEVERITY_ORDER = {"critical": 0, "error": 1, "warning": 2, "info": 3}
+
+
+def _recognised(doc: dict[str, Any]) -> str | None:
+    seen = [m for m in doc.get("matches") or [] if m.get("category") not in (None, "progress")]
+    if not seen:
+        return None
+    best = min(seen, key=lambda m: (SEVERITY_ORDER.get(m.get("severity") or "info", 3), (m.get("first") or {}).get("time") or "~"))
+    return best.get("category")
 
 
 def score(corpus: Path) -> tuple[Score, list[dict[str, Any]]]:

@@ -32,6 +32,7 @@ def _entry(rule: str, group: list[tuple[int | None, Aggregate]], aligned: Aligne
     return {
         "rule": rule,
         "category": first.category,
+        "severity": first.severity,
         "count": sum(agg.count for _, agg in group),
         "ranks": len({rank for rank, _ in group if rank is not None}),
         "first": _where(first, aligned),
