@@ -149,6 +149,7 @@ FAMILY_RULES = (
     "megatron-skipped-iterations",
     "elastic-forceful-exit",
     "slurm-preemption-node-failure",
+    "pg-not-destroyed-at-exit",
 )
 MIN_SOURCES = 3
 
