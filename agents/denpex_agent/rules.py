@@ -61,9 +61,10 @@ from denpex_agent.errors import PatternTimeout, RuleError
 SCHEMA = 1
 SEVERITIES = ("info", "warning", "error", "critical")
 ROLES = ("root-cause", "symptom", "collateral", "progress", "marker")
-# What a marker line announces: a pause in the step lines that is expected (evaluation,
-# checkpoint saving), the end of training, or the global rank a process took at start-up.
-MARKERS = ("pause", "end", "identity")
+# What a marker line announces: a pause in the step lines that is expected (an evaluation; a
+# checkpoint being written, which is also a pause), the end of training, or the global rank a
+# process took at start-up.
+MARKERS = ("pause", "checkpoint", "end", "identity")
 CATEGORIES = (
     "numerical-instability",
     "out-of-memory",
@@ -93,6 +94,7 @@ INT_FIELDS = frozenset(
         "seq",
         "announced_rank",
         "world_size",
+        "timeout_ms",
     }
 )
 FLOAT_FIELDS = frozenset({"loss", "grad_norm", "scale", "data_time", "step_time"})

@@ -28,6 +28,7 @@ from denpex_agent.events import Event
 from denpex_agent.rules import SEVERITIES, RuleSet
 from denpexd.analysis import ranks
 from denpexd.analysis.chain import chain
+from denpexd.analysis.checkpoint import CHECKPOINT_STALL_RULE, SaveMarks, add_save, checkpoint_stall
 from denpexd.analysis.collateral import collateral
 from denpexd.analysis.evidence import candidate_dict, evidence, rank_table, root_cause
 from denpexd.analysis.fingerprints import LOSS_SCALE_DROPS_DEGRADED, nan_fingerprint, scale_drops
@@ -89,6 +90,7 @@ class Engine:
         self.agent_offsets: dict[str, tuple[float, float]] = {}
         self.marker_rules: set[str] = set()  # the marker rules (pause, end of training) that matched
         self.rank_claims: Claims = {}  # global rank announced at start-up -> who announced it
+        self.save_marks: SaveMarks = {}  # each (node, rank)'s newest checkpoint-save announcements
         self.curves: dict[str, StepMax] = {}  # loss, grad norm: the largest value per step
         self.min_scale: float | None = None  # the smallest loss scale any line reported
         self.scale_levels: dict[float, Event] = {}  # each loss scale reported -> its first line
@@ -127,6 +129,9 @@ class Engine:
             announced = ev.fields.get("announced_rank")
             if isinstance(announced, int) and not (ev.local_rank is not None and tee_echo(ev.text)):
                 add_claim(self.rank_claims, announced, ev.node, ev.rank, ev.ts)
+            marker = self.rules.get(rule)
+            if marker is not None and marker.marker == "checkpoint":
+                add_save(self.save_marks, ev)
             return
         scale = ev.fields.get("scale")
         if isinstance(scale, float) and math.isfinite(scale):
@@ -389,6 +394,13 @@ class Engine:
                 explained = root_cause(rules, first.rule or "", first.category or "")
         else:
             verdict = "healthy"
+        # a hang whose stuck collective began as a rank went to write a checkpoint: the write held it
+        ckpt = None
+        if verdict == "failed" and explained is not None and explained["category"] == "hang" and self.save_marks:
+            spread = max((c.uncertainty_s for c in clocks.values()), default=0.0)
+            ckpt = checkpoint_stall(self.save_marks, aggs, tracks, aligned, spread)
+            if ckpt is not None:
+                explained = root_cause(rules, CHECKPOINT_STALL_RULE, "checkpoint-io")
 
         shown = initiator if shared is None else None
         rows = (
@@ -411,6 +423,7 @@ class Engine:
             "fingerprints": {"nan": nan_fingerprint(aggs, tracks, aligned, rules)},
             "evidence": evidence(initiator[0]) if initiator else None,
             "duplicate_ranks": dups,
+            "checkpoint_stall": ckpt,
             "chain": chain(shown[0], aggs, aligned, self.progress) if shown else None,
             "stragglers": slow,
             "trends": trend,

@@ -297,6 +297,20 @@ def _trends(trends: list[dict[str, Any]]) -> list[str]:
     return _section("Trends (against the job's own history)", table(head, rows) if rows else [])
 
 
+def _checkpoint_stall(ckpt: dict[str, Any] | None) -> list[str]:
+    if not ckpt:
+        return []
+    timeout = f"{ckpt['timeout_s']:g}"
+    body = [
+        f"The collective that timed out began {text(ckpt['collective_entered'])} (timeout "
+        f"{text(timeout)} s, {text(who(ckpt['waiting']))} waiting), as "
+        f"{text(who(ckpt))} announced a checkpoint save and logged no step after it:",
+        "",
+        f"> {text(ckpt['time'])} {span(ckpt['text'])}",
+    ]
+    return _section("Hung in a checkpoint save", body)
+
+
 def _duplicates(dups: list[dict[str, Any]]) -> list[str]:
     rows = [
         [text(str(dup["rank"])), text(", ".join(f"{c['node']} rank {_rank(c.get('rank'))}" for c in dup["claimed_by"]))]
@@ -466,6 +480,7 @@ def render_markdown(d: dict[str, Any]) -> str:
     out += _candidates(d)
     out += _stall(d.get("stall"))
     out += _trends(d.get("trends") or [])
+    out += _checkpoint_stall(d.get("checkpoint_stall"))
     out += _duplicates(d.get("duplicate_ranks") or [])
     out += _stragglers(d.get("stragglers") or [])
     out += _not_finished(d)

@@ -202,6 +202,15 @@ def render_text(d: dict[str, Any]) -> str:
         for r in stall["last_steps"][:8]:
             out.append(f"  {_who(r)}  step {r['step']:<8} {r['text'].strip()[:120]}")
     out.extend(_trends(d.get("trends") or []))
+    ckpt = d.get("checkpoint_stall")
+    if ckpt:
+        out.append("")
+        out.append(
+            f"CHECKPOINT STALL  the collective that timed out began {ckpt['collective_entered']} "
+            f"(timeout {ckpt['timeout_s']:g} s, {_who(ckpt['waiting'])} waiting), as {_who(ckpt)} "
+            "announced a checkpoint save and logged no step after it:"
+        )
+        out.append(f"  {ckpt['time']}  {ckpt['text'][:160]}")
     dups = d.get("duplicate_ranks") or []
     if dups:
         out.append("")

@@ -93,7 +93,7 @@ class StallWatch:
             self.pause = None  # a step after the announcement: the pause is over
 
     def marker(self, ev: Event, kind: str, now: float) -> None:
-        if kind == "pause":
+        if kind in ("pause", "checkpoint"):
             self.pause = (ev, now)
         elif kind == "end":
             key = self._key(ev)
