@@ -11,7 +11,9 @@ and the timeouts are its consequences.
 
 "At that moment" is a window around the entry: the save may have been announced up to
 `LEAD_S` before the others entered (they finished their own work first) or up to `LAG_S` after
-(the writer logs once it starts), widened by the clocks' uncertainty.
+(the writer logs once it starts), widened by the clocks' uncertainty. A rank that itself timed
+out came back from its own save and waited for someone else: its save is not the one that held
+the job (every rank may announce the same save; the writer is the one that never came back).
 """
 
 from __future__ import annotations
@@ -49,11 +51,15 @@ def checkpoint_stall(
 ) -> dict[str, Any] | None:
     """The save announcement the job's first timed-out collective waited on, or None."""
     entries = []
+    waiters = set()
     for agg in aggs.values():
         ev = agg.first
+        if ev.category != "hang":
+            continue
+        waiters.add((ev.node, ev.rank))
         timeout_ms = ev.fields.get("timeout_ms")
         at = aligned(ev.node, ev.ts)
-        if ev.category == "hang" and isinstance(timeout_ms, int) and timeout_ms > 0 and at is not None:
+        if isinstance(timeout_ms, int) and timeout_ms > 0 and at is not None:
             entries.append((at - timeout_ms / 1000.0, timeout_ms, ev))
     if not entries:
         return None
@@ -61,6 +67,8 @@ def checkpoint_stall(
     slack = 2.0 * uncertainty_s
     found = []
     for (node, rank), heap in marks.items():
+        if rank is not None and (node, rank) in waiters:
+            continue
         for ts, _id, ev in heap:
             at = aligned(node, ts)
             if at is None or not entered - LEAD_S - slack <= at <= entered + LAG_S + slack:
