@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import json
 import os
@@ -129,6 +130,22 @@ class Corpus:
             ),
             self.t0 + shift,
             self.year,
+        )
+
+    def compressed(self, max_gap_s: float) -> Corpus:
+        """The same bytes on a shorter true-time axis: every gap between consecutive moments of
+        the job (all files together, so the order across files stays) cut to at most
+        ``max_gap_s``. For logs that span hours (a logbook's excerpt), whose timestamps the
+        engine reads from the bytes anyway."""
+        moments = sorted({t for f in self.files for t, _ in f.lines})
+        mapped: dict[float, float] = {}
+        prev, now = None, 0.0
+        for t in moments:
+            now += 0.0 if prev is None else min(t - prev, max_gap_s)
+            mapped[t], prev = now, t
+        return dataclasses.replace(
+            self,
+            files=tuple(SourceFile(f.rel, tuple((mapped[t], line) for t, line in f.lines)) for f in self.files),
         )
 
     @property

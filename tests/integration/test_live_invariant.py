@@ -110,7 +110,15 @@ def _expected_seconds(corpus: Corpus, variant: str) -> float:
     return 0.0 if variant == "catchup" else corpus.duration / SPEED + (3.0 if variant == "split" else 0.0)
 
 
-async def _run_all(cases: Sequence[Case], workdir: Path) -> Run:
+async def _run_all(
+    cases: Sequence[Case],
+    workdir: Path,
+    root: Path = JOBS,
+    max_gap_s: float | None = None,
+    concurrency: int = CONCURRENCY,
+) -> Run:
+    """Every case replayed and judged; ``root`` holds the job directories, ``max_gap_s`` cuts the
+    pauses of jobs whose logs span hours (`Corpus.compressed`)."""
     run = Run({c: Result(*c) for c in cases})
     if not broker_up():
         for c in cases:
@@ -118,17 +126,19 @@ async def _run_all(cases: Sequence[Case], workdir: Path) -> Run:
                 run.skipped[c] = "no MQTT broker on 127.0.0.1:1883 (.ci/run starts one)"
     todo = [c for c in cases if c not in run.skipped]
     jobs = sorted({c[0] for c in todo})
-    corpora = {j: load_corpus(j) for j in jobs}
+    corpora = {j: load_corpus(j, root) for j in jobs}
+    if max_gap_s is not None:
+        corpora = {j: c.compressed(max_gap_s) for j, c in corpora.items()}
     for j in jobs:
         if any(c[0] == j and c[1] == "split" for c in todo):
             print(f"[live-invariant] split seed {j}: {split_seed(j)}", flush=True)
-    sem = asyncio.Semaphore(CONCURRENCY)
+    sem = asyncio.Semaphore(concurrency)
     want: dict[str, dict[str, Any]] = {}
 
     async def diagnose(job: str) -> None:
         async with sem:
             try:
-                want[job] = await diagnose_json(JOBS / job)
+                want[job] = await diagnose_json(root / job)
             except Exception as exc:  # every replay of this job reports it
                 for c in todo:
                     if c[0] == job:
