@@ -77,7 +77,7 @@ CATEGORIES = (
     "configuration",
 )
 PROGRESS_CATEGORY = "progress"
-FOLDS = ("python-traceback", "elastic-failure")
+FOLDS = ("python-traceback", "elastic-failure", "stalled-ranks")
 
 # Named groups a pattern may use. Numbers are parsed by the reader (int or float).
 INT_FIELDS = frozenset(
