@@ -6,7 +6,9 @@ and the events depend on the bytes alone, never on how they were cut into reads.
 
 Per chunk: one multi-pattern scan over the complete lines (`Matcher.scan`), then work only on
 the lines that matched. A Python traceback is folded into one event classified by its final
-exception line; torchrun's ChildFailedError block is folded and its root-cause entry read. A
+exception line; torchrun's ChildFailedError block is folded and its root-cause entry read, and a
+stall report that lists ranks (Horovod's stall inspector) with its listing, read for the ranks it
+says are missing (`missing_ranks`, and `culprit_rank` when there is one). A
 record whose end has not arrived yet stays open across reads; `flush()` closes it when the file
 goes quiet (`idle`: a traceback whose exception line was read; `force`: anything, after a longer
 fold timeout or when the file is closed).
@@ -594,7 +596,9 @@ class LineScanner:
             text = buf[hit.start : block_end].decode("utf-8", "replace")
             key = stream_key(line)
             lines = text.split("\n")
-            if any(stream_key(x) not in (key, "") for x in lines[1:]):
+            # another stream's lines between the record's own are left out (the lines of a stall
+            # report's listing are all its own: the fold took only those)
+            if rule.fold != "stalled-ranks" and any(stream_key(x) not in (key, "") for x in lines[1:]):
                 text = "\n".join(x for x in lines if stream_key(x) in (key, ""))
             if len(text) > MAX_EVENT_TEXT:
                 text = text[: MAX_EVENT_TEXT // 4] + "\n[...]\n" + text[-MAX_EVENT_TEXT // 2 :]

@@ -146,6 +146,10 @@ FAMILY_RULES = (
     "xid-63-64-row-remap",
     "xid-79-fallen-off-bus",
     "python-traceback",
+    # new families from the grown public corpus
+    "dataloader-pin-memory-thread-exited",
+    "lightning-child-process-terminated",
+    "horovod-stall-inspector",
 )
 MIN_SOURCES = 3
 
