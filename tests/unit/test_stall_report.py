@@ -139,6 +139,19 @@ def test_the_report_is_one_event_naming_the_missing_rank(
     assert "Epoch 2/90" not in event.text
 
 
+def test_a_heading_wrapped_by_the_terminal_keeps_its_listing(matcher: Matcher) -> None:
+    # as posted in horovod/horovod#1442: the heading wrapped after 200 columns
+    log = (
+        "[1,0]<stderr>:[2019-10-09 15:36:43.594972: W horovod/common/stall_inspector.cc:105] One or more tensors "
+        "were submitted to be reduced, gathered or broadcasted by subset of ranks and are waiting for remaind\n"
+        "er of ranks for more than 60 seconds. This may indicate that different ranks are trying to submit "
+        "different tensors or that only subset of ranks is submitting tensors, which will cause deadlock.\n"
+        + STALLED_RANKS.split("\n", 1)[1]
+    )
+    (event,) = _scan(matcher, log.encode())
+    assert event.fields == {"missing_ranks": "6", "culprit_rank": 6} and event.rank == 0
+
+
 def test_the_next_report_starts_a_new_event(matcher: Matcher) -> None:
     events = _scan(matcher, (STALLED_RANKS + STALLED_RANKS.replace("6: [", "4: [")).encode())
     assert [e.fields.get("culprit_rank") for e in events] == [6, 4]
