@@ -141,21 +141,23 @@ class Layout:
 #                                       ``[host:01234]``, a zero-padded process id)
 #   `[default3]:`                       torchrun ``--tee``: the local rank on that node
 #   `[rank12]:`                         PyTorch's own per-rank prefix: the global rank
+#   `[rank: 12] `                       Lightning's (`rank_prefixed_message`): the rank the line is about
 #
 # A rank a prefix names is the line's rank (it beats the file's); failing that, a rank the start
-# of the text names (``[Rank 3]``, ``[RANK 3]``, ``rank=3``) is used when the file names none.
+# of the text names (``[Rank 3]``, ``[RANK 3]``, ``[rank: 3]``, ``rank=3``) is used when the file names none.
 
 _LEAD = r"(?:[^\s\[\]]{1,48}\s+){0,3}"
 _SRUN = r"\s{0,6}(?P<srun>\d{1,6}): "
 _MPI = r"\[(?:[^\]\s,]{1,64},)?(?P<mpi>\d{1,6})\](?:\[[^\]\s]{1,80}\])?<std(?:out|err|diag)>:"
 _HOST = r"\[(?P<host>[A-Za-z][\w.-]{0,62}):(?P<hostrank>0|[1-9]\d{0,3})\]:? "
-_TAGS = r"(?P<tags>(?:\[(?:rank|default)\d{1,6}\]: ?)+)"
+_LIGHTNING = r"\[rank: \d{1,6}\] "  # Lightning's `[rank: N] message`
+_TAGS = rf"(?P<tags>(?:\[(?:rank|default)\d{{1,6}}\]: ?|{_LIGHTNING})+)"
 _PREFIX_RE = re.compile(
-    rf"^(?:{_LEAD}(?=\[(?:rank|default)\d{{1,6}}\]:|\[(?:[^\]\s,]{{1,64}},)?\d{{1,6}}\][<\[]))?"
+    rf"^(?:{_LEAD}(?=\[(?:rank|default)\d{{1,6}}\]:|{_LIGHTNING}|\[(?:[^\]\s,]{{1,64}},)?\d{{1,6}}\][<\[]))?"
     rf"(?:{_MPI}|{_HOST})?(?:{_SRUN})?{_TAGS}?"
 )
-_PREFIX_PART = re.compile(r"\[(?P<kind>rank|default)(?P<n>\d{1,6})\]:")
-_INLINE_RANK_RE = re.compile(r"\[(?i:rank) ?(?P<n>\d{1,6})\]|\brank[= ](?P<m>\d{1,6})\b")
+_PREFIX_PART = re.compile(r"\[(?P<kind>rank|default)(?P<n>\d{1,6})\]:|\[(?P<kind2>rank): (?P<n2>\d{1,6})\] ")
+_INLINE_RANK_RE = re.compile(r"\[(?i:rank):? ?(?P<n>\d{1,6})\]|\brank[= ](?P<m>\d{1,6})\b")
 FILE_RANK_TAG = re.compile(rb"\[rank(\d{1,6})\]")
 
 
@@ -189,7 +191,9 @@ def line_rank(line: str) -> tuple[int | None, int | None]:
         tags = m.group("tags")
         if tags:
             for part in _PREFIX_PART.finditer(tags):
-                if part.group("kind") == "rank":
+                if part.group("kind2"):
+                    rank = int(part.group("n2"))
+                elif part.group("kind") == "rank":
                     rank = int(part.group("n"))
                 else:
                     local = int(part.group("n"))

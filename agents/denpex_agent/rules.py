@@ -21,6 +21,7 @@ A rule file (``rules/<category>.toml``) looks like::
     ]
     counterexamples = ["Connection closed by peer: retrying (1/3)"]
     # scope = "job"                     # optional: the message is about the job's set-up
+    # fold = "stalled-ranks"            # optional: read the record's following lines (FOLDS)
     # fallback = true                   # optional: a vocabulary, not a signature (see LEVEL_MARKER)
     # scan = ['...']                    # optional: a cheaper superset the multi-pattern scan uses
     #                                     (two ranks on one GPU), so no rank is its initiator
@@ -78,7 +79,7 @@ CATEGORIES = (
     "configuration",
 )
 PROGRESS_CATEGORY = "progress"
-FOLDS = ("python-traceback", "elastic-failure")
+FOLDS = ("python-traceback", "elastic-failure", "stalled-ranks")
 
 # Named groups a pattern may use. Numbers are parsed by the reader (int or float).
 INT_FIELDS = frozenset(

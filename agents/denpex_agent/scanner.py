@@ -6,7 +6,9 @@ and the events depend on the bytes alone, never on how they were cut into reads.
 
 Per chunk: one multi-pattern scan over the complete lines (`Matcher.scan`), then work only on
 the lines that matched. A Python traceback is folded into one event classified by its final
-exception line; torchrun's ChildFailedError block is folded and its root-cause entry read. A
+exception line; torchrun's ChildFailedError block is folded and its root-cause entry read, and a
+stall report that lists ranks (Horovod's stall inspector) with its listing, read for the ranks it
+says are missing (`missing_ranks`, and `culprit_rank` when there is one). A
 record whose end has not arrived yet stays open across reads; `flush()` closes it when the file
 goes quiet (`idle`: a traceback whose exception line was read; `force`: anything, after a longer
 fold timeout or when the file is closed).
@@ -62,8 +64,17 @@ _EL_RANK = re.compile(r"^\s*rank\s*:\s*(?P<rank>\d+)\s*\(local_rank:\s*(?P<local
 _EL_EXIT = re.compile(r"^\s*exitcode\s*:\s*(?P<code>-?\d+)")
 _EL_SIGNAL = re.compile(r"Signal\s+(?P<sig>\d+)\s+\((?P<name>SIG[A-Z0-9]+)\)")
 _RANK_LIST = re.compile(rb"\b(local|global)_ranks=\[([\d, ]{0,4096})\]")
-_RANK_TAG = re.compile(r"\[(?i:rank) ?\d{1,6}\]")
+_RANK_TAG = re.compile(r"\[(?i:rank):? ?\d{1,6}\]")
 _EL_HOST = re.compile(r"^\s*host\s*:\s*(?P<host>\S+)")
+# A stall report that lists ranks (Horovod's stall inspector): `[ready ranks: 3, 0, 1]` / `[missing ranks: 2]`
+# after each stalled op, or a `Stalled ranks:` heading and one `N: [ops]` line per missing rank (`N!:` when that
+# rank is about to be shut down)
+_RANK_LIST_TAG = re.compile(r"\[(?P<kind>ready|missing) ranks: ?(?P<ranks>\d{1,6}(?:, ?\d{1,6}){0,4095})\]")
+_STALL_HEADING = re.compile(
+    r"\bStalled (?:ranks|ops):|\bOne or more rank \(marked by \"!\"\) is stalled|which will cause deadlock\.\s*$"
+)
+_STALL_RANK_ENTRY = re.compile(r"^(?:\[[^\]\s]{1,80}\]<std(?:out|err)>:)?\s{0,6}(?P<rank>\d{1,6})!?: \[")
+MAX_LISTED_RANKS = 64  # of the missing ranks a stall report names, those kept in the event's fields
 
 
 @dataclass(slots=True)
@@ -342,6 +353,13 @@ class LineScanner:
                     break
                 block_end, extra = efold
                 fields.update(extra)
+            if rule.fold == "stalled-ranks":
+                sfold = self._fold_stalled(buf, hit, cut, mode)
+                if sfold is None:
+                    consumed = self._rewind(events, spans, hit.start)
+                    break
+                block_end, extra = sfold
+                fields.update(extra)
             if rule.severity_level >= _ERROR:
                 stack_end = self._fold_cpp_stack(buf, block_end, cut, mode)
                 if stack_end is None:
@@ -527,6 +545,36 @@ class LineScanner:
             return None
         return block_end, fields
 
+    def _fold_stalled(self, buf: bytes, hit: Hit, cut: int, mode: int) -> tuple[int, dict[str, Any]] | None:
+        """A stall report's heading line and the lines that list its ranks (``Stalled ops:``,
+        ``Stalled ranks:``, ``N: [ops]``, ops with ``[ready ranks: ...]``/``[missing ranks: ...]``):
+        the block's end and the ranks it says are missing (`stall_culprit`). The report ends at
+        the first other line (the next report's heading included); one cut off waits for more."""
+        lines = [hit.line]
+        block_end = hit.end
+        closed = False
+        count = 0
+        pos = hit.end + 1
+        while pos < cut and count < MAX_FOLD_LINES:
+            end = buf.find(b"\n", pos, cut)
+            if end < 0:
+                end = cut
+            text = buf[pos : min(end, pos + self.max_line_bytes)].decode("utf-8", "replace")
+            if self.matcher.search(hit.rule, text) is not None or not (
+                _STALL_HEADING.search(text) or _RANK_LIST_TAG.search(text) or _STALL_RANK_ENTRY.match(text)
+            ):
+                closed = True
+                break
+            lines.append(text)
+            block_end = end
+            count += 1
+            pos = end + 1
+        else:
+            closed = mode != MORE or count >= MAX_FOLD_LINES or cut - hit.start > MAX_CARRY
+        if not closed:
+            return None
+        return block_end, stall_fields(lines)
+
     # -- events -------------------------------------------------------------------------------
 
     def _event(
@@ -548,7 +596,9 @@ class LineScanner:
             text = buf[hit.start : block_end].decode("utf-8", "replace")
             key = stream_key(line)
             lines = text.split("\n")
-            if any(stream_key(x) not in (key, "") for x in lines[1:]):
+            # another stream's lines between the record's own are left out (the lines of a stall
+            # report's listing are all its own: the fold took only those)
+            if rule.fold != "stalled-ranks" and any(stream_key(x) not in (key, "") for x in lines[1:]):
                 text = "\n".join(x for x in lines if stream_key(x) in (key, ""))
             if len(text) > MAX_EVENT_TEXT:
                 text = text[: MAX_EVENT_TEXT // 4] + "\n[...]\n" + text[-MAX_EVENT_TEXT // 2 :]
@@ -862,6 +912,49 @@ def _last_lines(data: bytes, end: int, count: int) -> list[str]:
         raw = raw[-count:]
     lines = b"\n".join(raw).decode("utf-8", "replace").split("\n")
     return [line[:MAX_CONTEXT_LINE] for line in lines]
+
+
+def missing_ranks(lines: list[str]) -> set[int]:
+    """The ranks a stall report says the others wait for: those it lists as missing (``[missing
+    ranks: 2]``, a ``N:`` / ``N!:`` entry after ``Stalled ranks:``), and, where it lists the ranks that
+    are ready (``[ready ranks: 3, 0, 1]``), every number from 0 to the highest rank listed anywhere in
+    the report that one of those lists leaves out. Ranks above the highest listed are unknowable
+    (the report does not give the world size)."""
+    missing: set[int] = set()
+    ready_lists: list[set[int]] = []
+    listing = False  # after a `Stalled ranks:` heading
+    for line in lines:
+        for m in _RANK_LIST_TAG.finditer(line):
+            ranks = {int(x) for x in m.group("ranks").split(",")}
+            if m.group("kind") == "missing":
+                missing |= ranks
+            else:
+                ready_lists.append(ranks)
+        if "Stalled ranks:" in line:
+            listing = True
+            continue
+        entry = _STALL_RANK_ENTRY.match(line)
+        if listing and entry:
+            missing.add(int(entry.group("rank")))
+    if ready_lists:
+        top = max(max(r) for r in ready_lists)
+        top = max([top, *missing])
+        for ready in ready_lists:
+            missing |= set(range(top + 1)) - ready
+    return missing
+
+
+def stall_fields(lines: list[str]) -> dict[str, Any]:
+    """A stall report's fields: ``missing_ranks`` (the ranks it says are missing, lowest first, as
+    text) and, when exactly one rank is missing, ``culprit_rank``: the rank the others wait for."""
+    missing = missing_ranks(lines)
+    if not missing:
+        return {}
+    listed = sorted(missing)
+    out: dict[str, Any] = {"missing_ranks": ", ".join(map(str, listed[:MAX_LISTED_RANKS]))}
+    if len(listed) == 1:
+        out["culprit_rank"] = listed[0]
+    return out
 
 
 def _tagged_rank(line: str) -> int | None:

@@ -32,7 +32,7 @@ from denpexd.analysis.checkpoint import CHECKPOINT_STALL_RULE, SaveMarks, add_sa
 from denpexd.analysis.collateral import collateral
 from denpexd.analysis.evidence import candidate_dict, evidence, rank_table, root_cause
 from denpexd.analysis.fingerprints import LOSS_SCALE_DROPS_DEGRADED, nan_fingerprint, scale_drops
-from denpexd.analysis.hang import HANG_RULE, hang_suspect
+from denpexd.analysis.hang import HANG_RULE, hang_suspect, unresolved_stalls
 from denpexd.analysis.identity import DUPLICATE_RULE, Claims, add_claim, duplicate_ranks
 from denpexd.analysis.matches import matches
 from denpexd.analysis.scope import job_wide
@@ -324,6 +324,9 @@ class Engine:
             return SEVERITIES.index(agg.first.severity or "info")
 
         failing = [a for a in aggs.values() if sev(a) >= ERROR]
+        if not failing:
+            # a hang report naming the rank the others wait for, with no step line after it
+            failing = unresolved_stalls(aggs, tracks)
         failure_start = min(
             (t for a in failing if (t := aligned(a.first.node, a.first.ts)) is not None), default=None
         )

@@ -100,6 +100,13 @@ REAL_PREFIXES = [
         (0, None),
         None,
     ),
+    # Lightning's rank_prefixed_message: [rank: N] (github.com/nishantb06/imagenet, README.md)
+    (
+        "[rank: 2] Child process with PID 13117 terminated with code -6. Forcefully terminating all other "
+        "processes to avoid zombies 🧟",
+        (2, None),
+        "Child process with PID 13117",
+    ),
     # PMIx's [host:pid] alone names no rank (github.com/karpathy/llm.c/pull/426)
     (
         "[qbd487:400139] PMIX ERROR: ERROR in file ../../../../../../src/mca/gds/ds12/gds_ds12_lock_pthread.c at line 169",
@@ -149,3 +156,22 @@ def test_a_tee_echo_is_known_behind_a_collectors_timestamp_or_task_label() -> No
     assert tee_echo(" 1: [default0]:Traceback (most recent call last):")
     assert not tee_echo("[rank3]: RuntimeError: boom")
     assert not tee_echo("2026-11-29 12:00:00,100 ERROR [default0] is a queue name here")
+
+
+def test_lightnings_rank_prefix() -> None:
+    from denpex_agent.attribution import has_prefix, stream_key
+
+    # the launcher's report of a child names the child's rank, which beats the file's (rank 0 wrote it)
+    line = "[rank: 1] Child process with PID 224779 terminated with code 1. Forcefully terminating"
+    assert line_rank(line) == (1, None) and has_prefix(line)
+    assert strip_prefix(line).startswith("Child process") and stream_key(line) != stream_key("[rank: 2] x")
+    # behind a logger's level, as `logging.basicConfig` prints it
+    assert line_rank("INFO: [rank: 3] Child process with PID 9487 terminated with code -9.") == (3, None)
+    # behind a logger name too long to be a prefix token: a rank the text names, not a prefix
+    long_lead = (
+        "INFO     lightning.fabric.strategies.launchers.subprocess_script:subprocess_script.py:224 "
+        "[rank: 1] Child process with PID 2977 terminated with code 4."
+    )
+    assert line_rank(long_lead) == (1, None) and not has_prefix(long_lead)
+    # prose about a rank is no tag
+    assert line_rank("waiting for rank: 3 to join") == (None, None)

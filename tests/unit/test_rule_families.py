@@ -149,7 +149,11 @@ FAMILY_RULES = (
     "megatron-skipped-iterations",
     "elastic-forceful-exit",
     "slurm-preemption-node-failure",
+    # new families from the grown public corpus
     "pg-not-destroyed-at-exit",
+    "dataloader-pin-memory-thread-exited",
+    "lightning-child-process-terminated",
+    "horovod-stall-inspector",
 )
 MIN_SOURCES = 3
 

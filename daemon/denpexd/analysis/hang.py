@@ -8,30 +8,37 @@ ties with the first on the first three is a suspect, and they share the confiden
 needs evidence: named as the culprit, silent while others report the hang, or stopped at an
 earlier step than another rank. When every rank we know only waits alike, the suspects are the
 ranks never heard from (a gap in the rank numbers below the highest), if few; else there is none.
+A rank named as the culprit more often than any rank we have a log of is the suspect even without
+a log of its own (the report of the rank that waits for it is the evidence).
+
+A hang report that names the rank the others wait for (a warning such as Horovod's stall
+inspector) is a failure of its own when no step line follows it (`unresolved_stalls`): the job
+stopped, or is, in that collective.
 """
 
 from __future__ import annotations
 
 import math
 
+from denpex_agent.rules import SEVERITIES
 from denpexd.analysis.story import MAX_CANDIDATES_SHOWN, Candidate
-from denpexd.analysis.tracks import Aggregates, Aligned, RankTrack, Tracks
+from denpexd.analysis.tracks import Aggregate, Aggregates, Aligned, RankTrack, Tracks
 
 HANG_RULE = "hang-rank-stopped-progress"
+ERROR = SEVERITIES.index("error")
 
 
 def hang_suspect(aggs: Aggregates, tracks: Tracks, aligned: Aligned) -> tuple[list[Candidate], int]:
     """The first MAX_CANDIDATES_SHOWN of the tied suspects (kind ``hang``) and how many are tied;
     ([], 0) when no track has a rank."""
     ranks = [t for t in tracks.values() if t.rank is not None]
+    hints = _hints(aggs)
+    named = _named_without_log(hints, ranks, tracks)
+    if named:
+        return named
     if not ranks:
         return [], 0
     loud = {(n, r) for (n, r, _rule), a in aggs.items() if r is not None and a.first.role != "progress"}
-    hints: dict[int, int] = {}
-    for a in aggs.values():
-        cr = a.first.fields.get("culprit_rank")
-        if isinstance(cr, int) and a.first.category in ("hang", "communication"):
-            hints[cr] = hints.get(cr, 0) + a.count
 
     def key(t: RankTrack) -> tuple[int, int, int, float, int, str]:
         hinted = -hints.get(t.rank if t.rank is not None else -1, 0)
@@ -64,6 +71,64 @@ def hang_suspect(aggs: Aggregates, tracks: Tracks, aligned: Aligned) -> tuple[li
         )
         for t in tied[:MAX_CANDIDATES_SHOWN]
     ], len(tied)
+
+
+def _hints(aggs: Aggregates) -> dict[int, int]:
+    """How often hang and communication reports name each rank as the culprit."""
+    hints: dict[int, int] = {}
+    for a in aggs.values():
+        cr = a.first.fields.get("culprit_rank")
+        if isinstance(cr, int) and a.first.category in ("hang", "communication"):
+            hints[cr] = hints.get(cr, 0) + a.count
+    return hints
+
+
+def _named_without_log(
+    hints: dict[int, int], ranks: list[RankTrack], tracks: Tracks
+) -> tuple[list[Candidate], int] | None:
+    """The ranks named as the culprit most often, when no rank we have a log of is named as often:
+    the reports of the ranks that wait for them are all there is (their own logs are missing)."""
+    if not hints:
+        return None
+    top = max(hints.values())
+    logged = {t.rank for t in ranks}
+    if any(hints.get(r, 0) == top for r in logged if r is not None):
+        return None  # a rank we follow is named as often: the ordering below decides
+    named = sorted(r for r, n in hints.items() if n == top)
+    nodes = {t.node for t in tracks.values()}
+    node = next(iter(nodes)) if len(nodes) == 1 else ""
+    return [
+        Candidate(node, r, HANG_RULE, "hang", None, None, None, "hang") for r in named[:MAX_CANDIDATES_SHOWN]
+    ], len(named)
+
+
+def unresolved_stalls(aggs: Aggregates, tracks: Tracks) -> list[Aggregate]:
+    """Hang reports below error severity that name the rank the others wait for (``culprit_rank``)
+    and that no step line is known to follow: on no rank a later step by time, nor a step further in
+    the same file. A step line that cannot be placed (another file, no times) is taken as a later
+    one: only a report known to be the last word counts as a failure."""
+    out = []
+    for a in aggs.values():
+        ev = a.first
+        if ev.category != "hang" or not isinstance(ev.fields.get("culprit_rank"), int):
+            continue
+        if SEVERITIES.index(ev.severity or "info") >= ERROR:
+            continue  # an error already is a failure
+        if not any(_progress_after(t, a) for t in tracks.values()):
+            out.append(a)
+    return out
+
+
+def _progress_after(t: RankTrack, a: Aggregate) -> bool:
+    last = t.last_progress
+    if last is None:
+        return False
+    latest = a.last_ts if a.last_ts is not None else a.first.ts
+    if latest is not None and t.last_step_ts is not None:
+        return t.last_step_ts > latest
+    if last.file == a.first.file:
+        return last.offset > a.first.offset
+    return True
 
 
 def _absent(ranks: list[RankTrack], loud: set[tuple[str, int]]) -> tuple[list[Candidate], int]:
