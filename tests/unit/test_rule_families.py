@@ -124,7 +124,6 @@ FAMILY_RULES = (
     "loss-scale-reported-below-one",
     "elastic-worker-crash-signal",
     "elastic-worker-sigabrt",
-    "elastic-signal-sigterm",
     "elastic-death-signal",
     "signal-exception",
     "segfault-shell",
