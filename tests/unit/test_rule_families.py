@@ -117,7 +117,6 @@ FAMILY_RULES = (
     "safetensors-header-error",
     "weights-only-load-failed",
     "stale-file-handle",
-    "megatron-rerun-unexpected-result",
     "deepspeed-overflow-hysteresis",
     "fairseq-min-loss-scale",
     "input-contains-nan",
