@@ -148,6 +148,10 @@ FAMILY_RULES = (
     "elastic-forceful-exit",
     "slurm-preemption-node-failure",
     "pg-not-destroyed-at-exit",
+    # fourth round
+    "multiprocessing-semaphore-failed",
+    "dataloader-timeout",
+    "megatron-nan-grad-norm",
 )
 MIN_SOURCES = 3
 
