@@ -90,15 +90,16 @@ def test_another_failure_past_the_old_failure_step_is_verified() -> None:
 
 
 def test_the_same_category_under_another_rule_is_not_verified() -> None:
-    """norm_overflow_ln fails with numerical-instability (vocab-numerical) past step 12."""
+    """norm_overflow_ln fails with numerical-instability (layernorm-inf-variance) past step 12."""
     code, doc = verify_json(str(JOBS / "norm_overflow_ln"), "--against-dir", str(JOBS / "nan_fp16"))
     assert code == 1
     assert [r["ok"] for r in doc["reasons"]] == [True, False, True]
     category = reason(doc, "category")
     assert (
-        "NEW failed with numerical-instability again, under another rule: vocab-numerical" in category["text"]
+        "NEW failed with numerical-instability again, under another rule: layernorm-inf-variance"
+        in category["text"]
     )
-    assert category["where"]["rule"] == "vocab-numerical"
+    assert category["where"]["rule"] == "layernorm-inf-variance"
 
 
 def _truncated(src: Path, dest: Path, keep: int) -> Path:

@@ -117,14 +117,12 @@ FAMILY_RULES = (
     "safetensors-header-error",
     "weights-only-load-failed",
     "stale-file-handle",
-    "megatron-rerun-unexpected-result",
     "deepspeed-overflow-hysteresis",
     "fairseq-min-loss-scale",
     "input-contains-nan",
     "loss-scale-reported-below-one",
     "elastic-worker-crash-signal",
     "elastic-worker-sigabrt",
-    "elastic-signal-sigterm",
     "elastic-death-signal",
     "signal-exception",
     "segfault-shell",
@@ -154,6 +152,10 @@ FAMILY_RULES = (
     "dataloader-pin-memory-thread-exited",
     "lightning-child-process-terminated",
     "horovod-stall-inspector",
+    # fourth round
+    "multiprocessing-semaphore-failed",
+    "dataloader-timeout",
+    "megatron-nan-grad-norm",
 )
 MIN_SOURCES = 3
 
