@@ -95,7 +95,13 @@ def _recognised(doc: dict[str, Any]) -> str | None:
     seen = [m for m in doc.get("matches") or [] if m.get("category") not in (None, "progress")]
     if not seen:
         return None
-    best = min(seen, key=lambda m: (SEVERITY_ORDER.get(m.get("severity") or "info", 3), (m.get("first") or {}).get("time") or "~"))
+    best = min(
+        seen,
+        key=lambda m: (
+            SEVERITY_ORDER.get(m.get("severity") or "info", 3),
+            (m.get("first") or {}).get("time") or "~",
+        ),
+    )
     return best.get("category")
 
 

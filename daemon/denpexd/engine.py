@@ -399,17 +399,25 @@ class Engine:
             verdict = "healthy"
         # a hang whose stuck collective began as a rank went to write a checkpoint: the write held it
         ckpt = None
-        if verdict == "failed" and explained is not None and explained["category"] == "hang" and self.save_marks:
+        if (
+            verdict == "failed"
+            and explained is not None
+            and explained["category"] == "hang"
+            and self.save_marks
+        ):
             spread = max((c.uncertainty_s for c in clocks.values()), default=0.0)
             ckpt = checkpoint_stall(self.save_marks, aggs, tracks, aligned, spread)
             if ckpt is not None:
                 explained = root_cause(rules, CHECKPOINT_STALL_RULE, "checkpoint-io")
-                first, conf = initiator if initiator is not None else (None, 0.0)
-                if first is not None and first.kind == "hang" and (first.node, first.rank) == (ckpt["node"], ckpt["rank"]):
-                    # the rank that stopped first is the writer: its story is the write, not a hang
-                    fixed = dataclasses.replace(first, rule=CHECKPOINT_STALL_RULE, category="checkpoint-io")
-                    initiator = (fixed, conf)
-                    ranked = [initiator, *ranked[1:]]
+                if initiator is not None:
+                    lead, conf = initiator
+                    if lead.kind == "hang" and (lead.node, lead.rank) == (ckpt["node"], ckpt["rank"]):
+                        # the rank that stopped first is the writer: its story is the write, not a hang
+                        fixed = dataclasses.replace(
+                            lead, rule=CHECKPOINT_STALL_RULE, category="checkpoint-io"
+                        )
+                        initiator = (fixed, conf)
+                        ranked = [initiator, *ranked[1:]]
 
         shown = initiator if shared is None else None
         rows = (

@@ -313,10 +313,15 @@ def _checkpoint_stall(ckpt: dict[str, Any] | None) -> list[str]:
 
 def _duplicates(dups: list[dict[str, Any]]) -> list[str]:
     rows = [
-        [text(str(dup["rank"])), text(", ".join(f"{c['node']} rank {_rank(c.get('rank'))}" for c in dup["claimed_by"]))]
+        [
+            text(str(dup["rank"])),
+            text(", ".join(f"{c['node']} rank {_rank(c.get('rank'))}" for c in dup["claimed_by"])),
+        ]
         for dup in dups
     ]
-    return _section("Global ranks announced twice", table(["global rank", "announced by"], rows) if rows else [])
+    return _section(
+        "Global ranks announced twice", table(["global rank", "announced by"], rows) if rows else []
+    )
 
 
 def _stragglers(stragglers: list[dict[str, Any]]) -> list[str]:

@@ -145,7 +145,9 @@ class Corpus:
             mapped[t], prev = now, t
         return dataclasses.replace(
             self,
-            files=tuple(SourceFile(f.rel, tuple((mapped[t], line) for t, line in f.lines)) for f in self.files),
+            files=tuple(
+                SourceFile(f.rel, tuple((mapped[t], line) for t, line in f.lines)) for f in self.files
+            ),
         )
 
     @property

@@ -52,7 +52,9 @@ def test_the_floor_fails_a_run_that_lost_a_right_answer(tmp_path: Path) -> None:
         capture_output=True, text=True, timeout=600, cwd=REPO,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr
-    wrong = next(r["case"] for r in orjson.loads(scores.read_bytes())["cases"] if r["verdict"] != r["truth"]["verdict"])
+    wrong = next(
+        r["case"] for r in orjson.loads(scores.read_bytes())["cases"] if r["verdict"] != r["truth"]["verdict"]
+    )
     floor["right"]["verdict"].append(wrong)  # a floor that holds a miss as right
     strict = tmp_path / "floor.json"
     strict.write_bytes(orjson.dumps(floor))

@@ -6,7 +6,6 @@ import random
 
 from denpex_agent.rules import load_rules
 from denpexd.engine import Engine
-
 from tests.unit.test_engine import T0, ev
 
 RULES = load_rules()
@@ -14,7 +13,10 @@ TIMEOUT_MS = 600_000
 
 
 def job(
-    save_at: float | None, step_after_save: bool = False, order_seed: int | None = None, all_save: bool = False
+    save_at: float | None,
+    step_after_save: bool = False,
+    order_seed: int | None = None,
+    all_save: bool = False,
 ) -> dict:
     events = []
     for s in range(1, 11):
@@ -22,7 +24,9 @@ def job(
             events.append(ev("n0" if r < 2 else "n1", r, T0 + s, None, RULES, step=s))
     if save_at is not None:
         for r in range(4) if all_save else (0,):  # every rank may announce the same save
-            events.append(ev("n0" if r < 2 else "n1", r, T0 + save_at + 0.001 * r, "marker-checkpoint-save", RULES))
+            events.append(
+                ev("n0" if r < 2 else "n1", r, T0 + save_at + 0.001 * r, "marker-checkpoint-save", RULES)
+            )
     if step_after_save:
         events.append(ev("n0", 0, T0 + (save_at or 0) + 5, None, RULES, step=11))
     fired = T0 + 10.2 + TIMEOUT_MS / 1000  # ranks 1-3 entered the step-11 all-reduce at ~T0 + 10.2

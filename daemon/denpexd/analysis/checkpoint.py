@@ -74,7 +74,9 @@ def checkpoint_stall(
             if at is None or not entered - LEAD_S - slack <= at <= entered + LAG_S + slack:
                 continue
             track = tracks.get((node, rank)) if rank is not None else None
-            moved_on = track is not None and (after := aligned(node, track.last_step_ts)) is not None and after > at
+            moved_on = (
+                track is not None and (after := aligned(node, track.last_step_ts)) is not None and after > at
+            )
             if not moved_on:
                 found.append((abs(at - entered), at, node, rank if rank is not None else -1, ev))
     if not found:
