@@ -171,6 +171,8 @@ class JobState:
     watch: StallWatch | None = None  # its progress as time passes (made on its first step line)
     stalled: bool = False  # its last diagnosis holds a stall the engine did not explain
     stall_shown: bool = False  # its last diagnosis holds a stall (also one a failure explains)
+    settling: Settling | None = None  # the agents a held first alert waits on (alert_settle_s)
+    settled: bool = False  # the last of them has read past the initiator's line: diagnose now
 
     def last_diagnosis(self) -> dict[str, Any] | None:
         if self.fresh is not None:
@@ -179,6 +181,17 @@ class JobState:
             return None
         doc: dict[str, Any] = orjson.loads(zlib.decompress(self.packed))
         return doc
+
+
+@dataclass(slots=True)
+class Settling:
+    """The agents a new incident's held alert waits on to send a batch read after the
+    initiator's line (`JobTable.alert_wait`), and how to tell: the initiator's batch's `sent_at`
+    on the agents' clocks, else its arrival."""
+
+    agents: set[str]
+    sent: float | None
+    arrived: float
 
 
 @dataclass(slots=True)
@@ -312,6 +325,7 @@ class JobTable:
                     state.sent[key] = batch.sent_at
         if fed:
             await self._changed(state, failing, candidates)
+        await self._settle(state)
 
     def _fault(self, state: JobState, stage: str, exc: BaseException) -> None:
         """A fault inside one job: counted, logged with the job id (the traceback the first
@@ -363,6 +377,21 @@ class JobTable:
             mark.sent_at = max(mark.sent_at, batch.sent_at)
         if any(ev.kind != "heartbeat" for ev in batch.events):
             mark.read = now
+        settling = state.settling
+        if settling is not None and batch.agent in settling.agents:
+            past = mark.sent_at >= settling.sent if settling.sent is not None else now >= settling.arrived
+            if past:
+                settling.agents.discard(batch.agent)
+                if not settling.agents:
+                    # the last one: its events are fed, then a diagnosis lets the alert go now
+                    # rather than at the end of alert_settle_s (see `_settle`)
+                    state.settling, state.settled = None, True
+
+    async def _settle(self, state: JobState) -> None:
+        """Diagnose at once when the agents a held alert waited on have all read past the
+        initiator's line (their events are in the engine now)."""
+        if state.settled and self.jobs.get(state.job) is state:
+            await self.diagnose(state)
 
     def alert_wait(self, job: str, doc: dict[str, Any], failing_since: float) -> float:
         """How long a new incident's first alert should still wait for evidence that may move its
@@ -409,6 +438,7 @@ class JobTable:
             elif status["state"] == "online" and (mark is None or mark.arrived < since):
                 # (re)connected and not heard from since: its first read is on its way
                 wait = max(wait, min(catchup_left, 0.25))
+        settling: set[str] = set()
         for agent, mark in state.marks.items():
             if statuses.get(agent, {}).get("state") == "offline":
                 continue
@@ -420,6 +450,13 @@ class JobTable:
                 and not self._read_past(mark, state, ini, arrived)
             ):
                 wait = max(wait, settle_left)
+                settling.add(agent)
+        # the batch that ends the last of these waits triggers a diagnosis (`_mark`, `_settle`)
+        state.settling = (
+            Settling(settling, state.sent.get((ini["node"], ini["rank"], ini["rule"])), arrived)
+            if settling
+            else None
+        )
         if job_wide and catchup_left > 0:
             wait = max(wait, catchup_left)
         if catchup_left > 0 and self._historical(ini, doc):
@@ -585,6 +622,7 @@ class JobTable:
         if kinds:
             slow = kinds.keys() <= {"progress", "heartbeat"}
             await self._changed(state, failing, candidates, progress_only=slow)
+        await self._settle(state)
         await self.writer.add(rows, state.job, state.first_seen, wall, ack)
 
     async def _process_progress(
@@ -626,6 +664,7 @@ class JobTable:
             self.metrics.duplicates({"progress": dups})
         if newest is not None:
             self.metrics.ingest_lag.observe(max(0.0, wall - newest))
+        await self._settle(state)
         await self.writer.add(rows, state.job, state.first_seen, wall, ack)
 
     def _watch(self, state: JobState) -> StallWatch:
@@ -728,6 +767,7 @@ class JobTable:
         return doc
 
     async def _diagnose(self, state: JobState) -> dict[str, Any]:
+        state.settled = False
         t0 = time.perf_counter()
         doc = state.engine.diagnose()
         stall = self._stall(state)
