@@ -23,11 +23,14 @@ are fast). Phase 3 (stall): STALL_TRIALS fresh jobs of 4,096 ranks each log 5 st
 0.5 s apart by their timestamps) and then nothing: the daemon runs with `stall_floor_s` =
 --stall-floor and `stall_factor` 2, so the threshold is the floor; latency = from publishing
 the last step to receiving the stall's MQTT alert, minus nothing (the threshold is part of it and
-reported next to it). Prints a JSON summary.
+reported next to it). Prints a JSON summary. `--memory-jobs K` runs `memory_mode` instead: the
+daemon's RSS per open failed 4,096-rank job, optionally against another checkout's daemon.
 
     python bench/bench_serve.py [--nodes 512] [--ranks-per-node 8] [--steps 60] [--trials 10]
         [--back-to-back] [--stall-trials 5] [--stall-floor 2] [--broker mqtt://127.0.0.1:1883]
         [--mosquitto PATH] [--profile OUT.pstats]
+    python bench/bench_serve.py --memory-jobs 4 [--memory-rounds 3] [--baseline-tree DIR]
+        [--tracemalloc PATH]
 """
 
 from __future__ import annotations
