@@ -23,11 +23,14 @@ are fast). Phase 3 (stall): STALL_TRIALS fresh jobs of 4,096 ranks each log 5 st
 0.5 s apart by their timestamps) and then nothing: the daemon runs with `stall_floor_s` =
 --stall-floor and `stall_factor` 2, so the threshold is the floor; latency = from publishing
 the last step to receiving the stall's MQTT alert, minus nothing (the threshold is part of it and
-reported next to it). Prints a JSON summary.
+reported next to it). Prints a JSON summary. `--memory-jobs K` runs `memory_mode` instead: the
+daemon's RSS per open failed 4,096-rank job, optionally against another checkout's daemon.
 
     python bench/bench_serve.py [--nodes 512] [--ranks-per-node 8] [--steps 60] [--trials 10]
         [--back-to-back] [--stall-trials 5] [--stall-floor 2] [--broker mqtt://127.0.0.1:1883]
         [--mosquitto PATH] [--profile OUT.pstats]
+    python bench/bench_serve.py --memory-jobs 4 [--memory-rounds 3] [--baseline-tree DIR]
+        [--tracemalloc PATH]
 """
 
 from __future__ import annotations
@@ -219,29 +222,244 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         return await run_with(args, broker)
 
 
-async def run_with(args: argparse.Namespace, broker: tuple[str, int]) -> dict[str, Any]:
+# Run as the daemon under --tracemalloc: `denpexd serve` whose SIGUSR1 dumps a tracemalloc snapshot
+_SNAPSHOT_ON_USR1 = (
+    "import itertools, signal, sys, tracemalloc\n"
+    "out, n = sys.argv.pop(1), itertools.count()\n"
+    "signal.signal(signal.SIGUSR1, lambda *_: tracemalloc.take_snapshot().dump(f'{out}.{next(n)}'))\n"
+    "from denpexd.cli import main\n"
+    "raise SystemExit(main())\n"
+)
+
+
+@contextlib.asynccontextmanager
+async def daemon(
+    args: argparse.Namespace,
+    broker: tuple[str, int],
+    client_id: str,
+    *,
+    tree: str | None = None,
+    snapshot: str | None = None,
+) -> Any:
+    """`denpexd serve` against `broker` as a subprocess, from this checkout or from `tree` (another
+    checkout's root: its daemon/, agents/ and itself on PYTHONPATH); yields (process, API URL).
+    `snapshot`: run under tracemalloc, each SIGUSR1 dumps a snapshot to that path + ".0", ".1", ..."""
     http = _free_port()
     data = tempfile.mkdtemp(prefix="denpex-bench-")
-    client_id = f"denpexd-bench-{uuid.uuid4().hex[:8]}"
     url = f"http://127.0.0.1:{http}"
-    prof = ("-m", "cProfile", "-o", args.profile) if args.profile else ()
     env = {k: v for k, v in os.environ.items() if not k.startswith("DENPEX_")}
     env.update(DENPEX_STALL_FLOOR_S=str(args.stall_floor), DENPEX_STALL_FACTOR="2")
+    if tree is not None:
+        env["PYTHONPATH"] = os.pathsep.join(f"{tree}/{d}" for d in ("agents", "daemon", "."))
+    if snapshot is not None:
+        prog: tuple[str, ...] = ("-X", "tracemalloc=1", "-c", _SNAPSHOT_ON_USR1, snapshot)
+    elif args.profile:
+        prog = ("-m", "cProfile", "-o", args.profile, "-m", "denpexd")
+    else:
+        prog = ("-m", "denpexd")
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, *prof, "-m", "denpexd", "serve", "--broker", f"mqtt://{broker[0]}:{broker[1]}",
+        sys.executable, *prog, "serve", "--broker", f"mqtt://{broker[0]}:{broker[1]}",
         "--client-id", client_id,
         "--http-listen", f"127.0.0.1:{http}", "--data-dir", data, "--log-level", "warning", env=env,
     )  # fmt: skip
-    for _ in range(200):
-        with contextlib.suppress(OSError):
-            if (await asyncio.to_thread(urllib.request.urlopen, url + "/-/ready", None, 1)).status == 200:
-                break
-        await asyncio.sleep(0.1)
+    try:
+        for _ in range(300):
+            with contextlib.suppress(OSError):
+                if (await asyncio.to_thread(urllib.request.urlopen, url + "/-/ready", None, 1)).status == 200:
+                    break
+            await asyncio.sleep(0.1)
+        else:
+            raise RuntimeError("the daemon did not get ready")
+        yield proc, url
+    finally:
+        if proc.returncode is None:
+            proc.send_signal(signal.SIGTERM)
+            await proc.wait()
+        async with aiomqtt.Client(
+            *broker, identifier=client_id, protocol=aiomqtt.ProtocolVersion.V5, clean_start=True
+        ):
+            pass
+        shutil.rmtree(data, ignore_errors=True)
+
+
+async def run_with(args: argparse.Namespace, broker: tuple[str, int]) -> dict[str, Any]:
+    if args.memory_jobs:
+        return await memory_mode(args, broker)
+    client_id = f"denpexd-bench-{uuid.uuid4().hex[:8]}"
+    async with daemon(args, broker, client_id) as (proc, url):
+        return await phases(args, broker, client_id, proc, url)
+
+
+async def phases(
+    args: argparse.Namespace, broker: tuple[str, int], client_id: str, proc: Any, url: str
+) -> dict[str, Any]:
     fleet = Fleet(args.nodes, args.ranks_per_node)
     out: dict[str, Any] = {
         "nodes": args.nodes, "ranks": args.nodes * args.ranks_per_node, "broker": f"{broker[0]}:{broker[1]}",
     }  # fmt: skip
-    try:
+    async with contextlib.AsyncExitStack() as stack:
+        for i in range(PUBLISHERS):
+            fleet.clients.append(
+                await stack.enter_async_context(
+                    aiomqtt.Client(*broker, identifier=f"bench-pub-{i}-{client_id}")
+                )
+            )
+        # Phase 1: sustained throughput
+        ref_before = reference_rate()
+        job = f"bench-{uuid.uuid4().hex[:6]}"
+        base = _metric(url, "denpex_ingest_events_total")
+        cpu0, w0 = _cpu_s(proc.pid), time.perf_counter()
+        sent = 0
+        for chunk in range(0, args.steps, 5):
+            sent += await fleet.publish_steps(job, range(chunk, min(chunk + 5, args.steps)), 1.8e9)
+        await _wait_ingested(url, base, sent)
+        cpu, wall = _cpu_s(proc.pid) - cpu0, time.perf_counter() - w0
+        ref = (ref_before + reference_rate()) / 2
+        out["throughput"] = {
+            "events": sent, "wall_s": round(wall, 2), "daemon_cpu_s": round(cpu, 2),
+            "events_per_cpu_s": round(sent / cpu), "events_per_wall_s": round(sent / wall),
+            # baseline: the reference validator alone, before and after phase 1, and the ratio
+            "reference_events_per_cpu_s": round(ref), "ratio_to_reference": round(sent / cpu / ref, 3),
+        }  # fmt: skip
+        out["rss_mb_after_throughput"] = round(_rss_mb(proc.pid))
+        # Phase 2: failure cascades
+        diag_lat, alert_lat, spread = [], [], []
+        async with aiomqtt.Client(*broker, identifier=f"bench-sub-{client_id}") as sub:
+            await sub.subscribe("denpex/v1/jobs/+/diagnosis", qos=1)
+            await sub.subscribe("denpex/v1/alerts/+", qos=1)
+            for trial in range(args.trials):
+                if not args.back_to_back:
+                    # the previous cascade is absorbed first: each trial offers one burst
+                    await _wait_ingested(url, base, sent)
+                job = f"cascade-{trial}-{uuid.uuid4().hex[:6]}"
+                got_diag, got_alert, n = await cascade(fleet, sub, job, trial, spread)
+                sent += n
+                diag_lat.append(got_diag)
+                alert_lat.append(got_alert)
+
+        def pct(xs: list[float], q: float) -> float:
+            xs = sorted(xs)
+            return round(xs[min(len(xs) - 1, int(q * len(xs)))] * 1000, 1)
+
+        out["latency_ms"] = {
+            "trials": args.trials,
+            "diagnosis_p50": pct(diag_lat, 0.5), "diagnosis_p99": pct(diag_lat, 0.99),
+            "alert_p50": pct(alert_lat, 0.5), "alert_p99": pct(alert_lat, 0.99),
+            "alert_mean": round(statistics.mean(alert_lat) * 1000, 1),
+            "alert_each": [round(x * 1000) for x in alert_lat],
+            # the last node's collateral acknowledged by the broker: what the alert waits for
+            "collateral_published_p50": pct(spread, 0.5), "collateral_published_p99": pct(spread, 0.99),
+        }  # fmt: skip
+        out["stall"] = await stall_phase(args, fleet, broker, client_id, url, base, sent)
+        out["rss_mb_end"] = round(_rss_mb(proc.pid))
+        out["diagnosis_duration_s_sum"] = _metric(url, "denpex_diagnosis_duration_seconds_sum")
+        out["diagnosis_runs"] = _metric(url, "denpex_diagnosis_runs_total")
+    return out
+
+
+async def cascade(
+    fleet: Fleet, sub: aiomqtt.Client, job: str, trial: int, spread: list[float] | None = None
+) -> tuple[float, float, int]:
+    """One failure cascade on a fresh job of every rank: 5 steps of progress, one rank's CUDA OOM,
+    collateral on every other rank. Returns the seconds from publishing the OOM to the retained
+    diagnosis naming its rank and to the MQTT alert, and the events published; ``spread`` gets
+    the seconds from publishing the OOM to the broker's acknowledgement of the last node's
+    collateral (the alert waits for every other node's batch read after the OOM: its floor)."""
+    sent = await fleet.publish_steps(job, range(5), 1.8e9) + len(fleet.nodes) * fleet.per_node
+    ni = (trial * 37) % len(fleet.nodes)
+    rank, lr = fleet.ranks(ni)[3]
+    node = fleet.nodes[ni]
+    t_fail = 1.8e9 + 10.0
+    first = match(job, node, rank, lr, "cuda-oom", "root-cause", "out-of-memory", t_fail)
+    t_pub = time.perf_counter()
+    await fleet.clients[ni % PUBLISHERS].publish(
+        _topic(job, node), wire.encode_batch(f"{node}-agent", job, node, 2, time.time(), [first]), qos=1
+    )
+    got_diag = got_alert = None
+
+    async def collateral() -> None:
+        await asyncio.sleep(0.05)
+        for p in range(PUBLISHERS):
+            for nj in range(p, len(fleet.nodes), PUBLISHERS):
+                n = fleet.nodes[nj]
+                evs = [match(job, n, r, lr, "nccl-remote-error", "collateral", "communication",
+                             t_fail + 0.5) for r, lr in fleet.ranks(nj) if r != rank]  # fmt: skip
+                await fleet.clients[p].publish(_topic(job, n), wire.encode_batch(
+                    f"{n}-agent", job, n, 3, time.time(), evs), qos=1)  # fmt: skip
+        if spread is not None:
+            spread.append(time.perf_counter() - t_pub)
+
+    spreading = asyncio.create_task(collateral())
+    async with asyncio.timeout(30):
+        async for msg in sub.messages:
+            topic = msg.topic.value
+            if job not in topic:
+                continue
+            doc = orjson.loads(msg.payload) if isinstance(msg.payload, bytes) else {}
+            if topic.endswith("/diagnosis") and got_diag is None:
+                ini = doc.get("initiator") or {}
+                if ini.get("rank") == rank:
+                    got_diag = time.perf_counter() - t_pub
+            elif "/alerts/" in topic and got_alert is None:
+                got_alert = time.perf_counter() - t_pub
+                assert doc["labels"]["rank"] == str(rank), doc["labels"]
+            if got_diag is not None and got_alert is not None:
+                break
+    await spreading
+    assert got_diag is not None and got_alert is not None
+    return got_diag, got_alert, sent
+
+
+async def memory_mode(args: argparse.Namespace, broker: tuple[str, int]) -> dict[str, Any]:
+    """--memory-jobs K: what one open failed job of every rank costs the daemon. Per round, a fresh
+    daemon takes one failed job (warm-up: code paths, caches and allocator arenas), its RSS is
+    read once its diagnoses are done, then K more failed jobs (`cascade`), and the RSS again: the
+    difference divided by K is the figure. With --baseline-tree, rounds alternate between this
+    checkout's daemon and that one's, so both figures come from the same run."""
+    trees: list[tuple[str, str | None]] = [("this", None)]
+    if args.baseline_tree:
+        trees.append(("baseline", args.baseline_tree))
+    rounds: dict[str, list[dict[str, Any]]] = {name: [] for name, _ in trees}
+    for r in range(args.memory_rounds):
+        for name, tree in trees if r % 2 == 0 else trees[::-1]:
+            rounds[name].append(await memory_round(args, broker, tree))
+    out: dict[str, Any] = {
+        "method": "RSS with K+1 failed jobs open minus RSS with 1 (the warm-up job), divided by K",
+        "ranks_per_job": args.nodes * args.ranks_per_node, "jobs": args.memory_jobs,
+    }  # fmt: skip
+    for name, got in rounds.items():
+        per_job = sorted(g["mb_per_job"] for g in got)
+        out[name] = {
+            "mb_per_job_min": per_job[0],
+            "mb_per_job_median": statistics.median(per_job),
+            "rounds": got,
+        }
+    if args.baseline_tree:
+        out["ratio_median"] = round(
+            out["this"]["mb_per_job_median"] / out["baseline"]["mb_per_job_median"], 3
+        )
+    if args.tracemalloc:
+        # one more round of this checkout under tracemalloc (its RSS is not comparable): snapshots
+        # at both points, and what grew most between them
+        await memory_round(args, broker, None, snapshot=args.tracemalloc)
+        import tracemalloc
+
+        before = tracemalloc.Snapshot.load(args.tracemalloc + ".0")
+        after = tracemalloc.Snapshot.load(args.tracemalloc + ".1")
+        out["tracemalloc_grew_per_job"] = [
+            f"{d.size_diff / args.memory_jobs / 2**20:.2f} MB {d.count_diff // args.memory_jobs} blocks "
+            f"{d.traceback[0].filename.rsplit('/', 2)[-1]}:{d.traceback[0].lineno}"
+            for d in after.compare_to(before, "lineno")[:25]
+        ]
+    return out
+
+
+async def memory_round(
+    args: argparse.Namespace, broker: tuple[str, int], tree: str | None, snapshot: str | None = None
+) -> dict[str, Any]:
+    client_id = f"denpexd-bench-{uuid.uuid4().hex[:8]}"
+    async with daemon(args, broker, client_id, tree=tree, snapshot=snapshot) as (proc, url):
+        fleet = Fleet(args.nodes, args.ranks_per_node)
         async with contextlib.AsyncExitStack() as stack:
             for i in range(PUBLISHERS):
                 fleet.clients.append(
@@ -249,102 +467,46 @@ async def run_with(args: argparse.Namespace, broker: tuple[str, int]) -> dict[st
                         aiomqtt.Client(*broker, identifier=f"bench-pub-{i}-{client_id}")
                     )
                 )
-            # Phase 1: sustained throughput
-            ref_before = reference_rate()
-            job = f"bench-{uuid.uuid4().hex[:6]}"
-            base = _metric(url, "denpex_ingest_events_total")
-            cpu0, w0 = _cpu_s(proc.pid), time.perf_counter()
-            sent = 0
-            for chunk in range(0, args.steps, 5):
-                sent += await fleet.publish_steps(job, range(chunk, min(chunk + 5, args.steps)), 1.8e9)
-            await _wait_ingested(url, base, sent)
-            cpu, wall = _cpu_s(proc.pid) - cpu0, time.perf_counter() - w0
-            ref = (ref_before + reference_rate()) / 2
-            out["throughput"] = {
-                "events": sent, "wall_s": round(wall, 2), "daemon_cpu_s": round(cpu, 2),
-                "events_per_cpu_s": round(sent / cpu), "events_per_wall_s": round(sent / wall),
-                # baseline: the reference validator alone, before and after phase 1, and the ratio
-                "reference_events_per_cpu_s": round(ref), "ratio_to_reference": round(sent / cpu / ref, 3),
-            }  # fmt: skip
-            out["rss_mb_after_throughput"] = round(_rss_mb(proc.pid))
-            # Phase 2: failure cascades
-            diag_lat, alert_lat = [], []
-            async with aiomqtt.Client(*broker, identifier=f"bench-sub-{client_id}") as sub:
-                await sub.subscribe("denpex/v1/jobs/+/diagnosis", qos=1)
-                await sub.subscribe("denpex/v1/alerts/+", qos=1)
-                for trial in range(args.trials):
-                    if not args.back_to_back:
-                        # the previous cascade is absorbed first: each trial offers one burst
-                        await _wait_ingested(url, base, sent)
-                    job = f"cascade-{trial}-{uuid.uuid4().hex[:6]}"
-                    sent += (
-                        await fleet.publish_steps(job, range(5), 1.8e9) + len(fleet.nodes) * fleet.per_node
-                    )
-                    ni = (trial * 37) % len(fleet.nodes)
-                    rank, lr = fleet.ranks(ni)[3]
-                    node = fleet.nodes[ni]
-                    t_fail = 1.8e9 + 10.0
-                    first = match(job, node, rank, lr, "cuda-oom", "root-cause", "out-of-memory", t_fail)
-                    t_pub = time.perf_counter()
-                    await fleet.clients[ni % PUBLISHERS].publish(
-                        _topic(job, node), wire.encode_batch(f"{node}-agent", job, node, 2, time.time(), [first]),
-                        qos=1,
-                    )  # fmt: skip
-                    got_diag = got_alert = None
+            sub = await stack.enter_async_context(
+                aiomqtt.Client(*broker, identifier=f"bench-sub-{client_id}")
+            )
+            await sub.subscribe("denpex/v1/jobs/+/diagnosis", qos=1)
+            await sub.subscribe("denpex/v1/alerts/+", qos=1)
+            base, sent = _metric(url, "denpex_ingest_events_total"), 0
 
-                    async def collateral(job: str = job, rank: int = rank, t_fail: float = t_fail) -> None:
-                        await asyncio.sleep(0.05)
-                        for p in range(PUBLISHERS):
-                            for nj in range(p, len(fleet.nodes), PUBLISHERS):
-                                n = fleet.nodes[nj]
-                                evs = [match(job, n, r, lr, "nccl-remote-error", "collateral", "communication",
-                                             t_fail + 0.5) for r, lr in fleet.ranks(nj) if r != rank]  # fmt: skip
-                                await fleet.clients[p].publish(_topic(job, n), wire.encode_batch(
-                                    f"{n}-agent", job, n, 3, time.time(), evs), qos=1)  # fmt: skip
+            async def settled() -> float:
+                await _wait_ingested(url, base, sent)
+                await _diagnoses_done(url)
+                if snapshot is not None:
+                    proc.send_signal(signal.SIGUSR1)
+                    await asyncio.sleep(5)  # the dump takes a while under tracemalloc
+                return _rss_mb(proc.pid)
 
-                    cascade = asyncio.create_task(collateral())
-                    async with asyncio.timeout(30):
-                        async for msg in sub.messages:
-                            topic = msg.topic.value
-                            if job not in topic:
-                                continue
-                            doc = orjson.loads(msg.payload) if isinstance(msg.payload, bytes) else {}
-                            if topic.endswith("/diagnosis") and got_diag is None:
-                                ini = doc.get("initiator") or {}
-                                if ini.get("rank") == rank:
-                                    got_diag = time.perf_counter() - t_pub
-                            elif "/alerts/" in topic and got_alert is None:
-                                got_alert = time.perf_counter() - t_pub
-                                assert doc["labels"]["rank"] == str(rank), doc["labels"]
-                            if got_diag is not None and got_alert is not None:
-                                break
-                    await cascade
-                    diag_lat.append(got_diag)
-                    alert_lat.append(got_alert)
+            sent += (await cascade(fleet, sub, f"mem-warm-{uuid.uuid4().hex[:6]}", 0))[2]
+            rss0 = await settled()
+            for k in range(args.memory_jobs):
+                await _wait_ingested(url, base, sent)
+                sent += (await cascade(fleet, sub, f"mem-{k}-{uuid.uuid4().hex[:6]}", k + 1))[2]
+            rss1 = await settled()
+            jobs_open = _metric(url, "denpex_jobs_open")
+    return {
+        "rss_mb_one_job": round(rss0, 1), "rss_mb_after": round(rss1, 1), "jobs_open": jobs_open,
+        "mb_per_job": round((rss1 - rss0) / args.memory_jobs, 2),
+    }  # fmt: skip
 
-            def pct(xs: list[float], q: float) -> float:
-                xs = sorted(xs)
-                return round(xs[min(len(xs) - 1, int(q * len(xs)))] * 1000, 1)
 
-            out["latency_ms"] = {
-                "trials": args.trials,
-                "diagnosis_p50": pct(diag_lat, 0.5), "diagnosis_p99": pct(diag_lat, 0.99),
-                "alert_p50": pct(alert_lat, 0.5), "alert_p99": pct(alert_lat, 0.99),
-                "alert_mean": round(statistics.mean(alert_lat) * 1000, 1),
-                "alert_each": [round(x * 1000) for x in alert_lat],
-            }  # fmt: skip
-            out["stall"] = await stall_phase(args, fleet, broker, client_id, url, base, sent)
-            out["rss_mb_end"] = round(_rss_mb(proc.pid))
-            out["diagnosis_duration_s_sum"] = _metric(url, "denpex_diagnosis_duration_seconds_sum")
-            out["diagnosis_runs"] = _metric(url, "denpex_diagnosis_runs_total")
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        await proc.wait()
-        async with aiomqtt.Client(
-            *broker, identifier=client_id, protocol=aiomqtt.ProtocolVersion.V5, clean_start=True
-        ):
-            pass
-    return out
+async def _diagnoses_done(url: str) -> None:
+    """Until no diagnosis ran for 2 s (the debounced ones after the last batch are done), at most
+    8 s (a daemon before the stall watch's fix re-diagnosed a failed job whose ranks stopped
+    twice a second)."""
+    last, quiet = -1.0, 0
+    for _ in range(16):
+        if quiet >= 4:
+            break
+        await asyncio.sleep(0.5)
+        runs = _metric(url, "denpex_diagnosis_runs_total")
+        quiet = quiet + 1 if runs == last else 0
+        last = runs
 
 
 async def stall_phase(
@@ -404,13 +566,35 @@ def main() -> None:
     )
     p.add_argument("--profile", help="run the daemon under cProfile and write its stats here")
     p.add_argument(
+        "--memory-jobs",
+        type=int,
+        default=0,
+        metavar="K",
+        help="instead of the phases: the daemon's RSS per open failed job (K jobs of every rank)",
+    )
+    p.add_argument("--memory-rounds", type=int, default=3, help="--memory-jobs: fresh daemons per checkout")
+    p.add_argument(
+        "--baseline-tree",
+        metavar="DIR",
+        help="--memory-jobs: also measure the daemon of another checkout (e.g. `git archive` of an "
+        "earlier commit unpacked in DIR), rounds alternating",
+    )
+    p.add_argument(
+        "--tracemalloc",
+        metavar="PATH",
+        help="--memory-jobs: one more round under tracemalloc, snapshots dumped to PATH.0 and PATH.1",
+    )
+    p.add_argument(
         "--topic",
         choices=("sender", "first-revision"),
         default="sender",
         help="publish on the agents' sender topics (the daemon answers every batch with a receipt; "
         "default) or on the first revision's topic (no receipts), to measure what receipts cost",
     )
-    result = asyncio.run(run(p.parse_args()))
+    args = p.parse_args()
+    if args.baseline_tree:
+        args.baseline_tree = str(Path(args.baseline_tree).resolve())
+    result = asyncio.run(run(args))
     print(orjson.dumps(result, option=orjson.OPT_INDENT_2).decode())
 
 

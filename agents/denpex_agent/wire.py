@@ -342,16 +342,32 @@ def decode_batch(payload: bytes, topic_job: str | None = None) -> Batch:
         raise WireError(f"job {job!r} does not match the topic's {topic_job!r}")
     events: list[Event] = []
     append = events.append
+    rules = _RULE_IDS
     for i, e in enumerate(doc.events):
         fields = e.fields
         if fields and (_CLOCK_OFFSET in fields or _CLOCK_UNCERTAINTY in fields):
             _check_clock(i, fields)
+        rule = e.rule
+        if rule is not None:
+            rule = rules.get(rule) or _rule_id(rule)
         ev = Event(
             e.id, e.kind, job, node, e.rank, e.local_rank, e.file, e.offset, e.line_no, e.ts,
-            e.ts_source, e.rule, e.severity, e.role, e.category, e.text, e.context, fields,
+            e.ts_source, rule, e.severity, e.role, e.category, e.text, e.context, fields,
         )  # fmt: skip
         append(ev)
     return Batch(doc.agent, job, node, doc.sent_at, doc.seq, events, doc.behind)
+
+
+# Rule ids decoded so far, each kept once: every event names one and a receiver keeps many
+# events (one string per rule instead of one per event); bounded, since the wire is untrusted.
+_RULE_IDS: dict[str, str] = {}
+MAX_RULE_IDS = 4096
+
+
+def _rule_id(rule: str) -> str:
+    if len(_RULE_IDS) < MAX_RULE_IDS:
+        _RULE_IDS[rule] = rule
+    return rule
 
 
 def _finite(x: object) -> TypeGuard[float]:

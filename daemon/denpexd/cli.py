@@ -165,6 +165,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--log-level", choices=("debug", "info", "warning", "error"), help="default info")
     s.add_argument(
+        "--event-loop",
+        choices=("auto", "uvloop", "asyncio"),
+        help="uvloop when installed (auto, the default), uvloop or the standard asyncio loop",
+    )
+    s.add_argument(
         "--set-aside-damaged-store",
         action="store_true",
         help="when the store file is empty, truncated or damaged, move it aside (renamed "

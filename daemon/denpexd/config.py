@@ -26,6 +26,8 @@ from denpexd.errors import ConfigError
 from denpexd.nodehistory import MAX_JOBS as MAX_HISTORY_JOBS
 from denpexd.podidentity import PodTokens, TokenKeysError
 
+EVENT_LOOPS = ("auto", "uvloop", "asyncio")
+
 
 @dataclass(frozen=True, slots=True)
 class ServeConfig:
@@ -77,6 +79,9 @@ class ServeConfig:
     agent_token_issuer: str | None = None
     shutdown_timeout_s: float = 10.0
     log_level: str = "info"
+    # the asyncio event loop: uvloop when it can be imported (`pip install 'denpexd[fast]'`),
+    # else the standard one ("auto"); "uvloop" requires it, "asyncio" never uses it
+    event_loop: str = "auto"
 
     @property
     def store_path(self) -> Path:
@@ -226,6 +231,8 @@ def _validate(cfg: ServeConfig) -> ServeConfig:
     for key in ("alert_settle_s", "alert_catchup_hold_s"):
         if not 0 <= getattr(cfg, key) <= 600:
             raise ConfigError(key, "must be between 0 and 600 seconds")
+    if cfg.event_loop not in EVENT_LOOPS:
+        raise ConfigError("event_loop", f"must be one of {', '.join(EVENT_LOOPS)}")
     if cfg.log_level.lower() not in ("debug", "info", "warning", "error"):
         raise ConfigError("log_level", "must be debug, info, warning or error")
     return cfg

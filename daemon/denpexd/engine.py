@@ -44,10 +44,13 @@ from denpexd.analysis.tracks import (
     Aggregates,
     NodeProgress,
     RankTrack,
+    StepFields,
     StepMax,
     aligned_order,
     at_planned_end,
+    compact_step,
     event_order,
+    share_empties,
 )
 from denpexd.analysis.trends import scale_fall, step_at, trends
 from denpexd.clock import ClockEstimate, align
@@ -96,7 +99,8 @@ class Engine:
         self.scale_levels: dict[float, Event] = {}  # each loss scale reported -> its first line
         self._trend_cache: tuple[Any, list[dict[str, Any]]] | None = None
         self.events_seen = 0
-        self.rank_events: dict[tuple[str, int | None], int] = {}  # rule events per (node, rank)
+        # rule events per (node, rank) of ranks without a track (their tracks count the others)
+        self.rank_events: dict[tuple[str, int | None], int] = {}
         self.overflow: dict[str, int] = {}  # events of aggregates not kept (the bounds), by rule
         self.tracks_dropped = 0  # events of ranks beyond MAX_TRACKS (no track: no progress kept)
         self.failing_aggs = 0  # aggregates whose first event is an error or worse
@@ -153,17 +157,24 @@ class Engine:
         if track is not None:
             track.vote(ev)
         key = (ev.node, ev.rank, rule)
-        nr = (ev.node, ev.rank)
         agg = self.aggs.get(key)
         if agg is None:
             if not self._room_for(ev):
                 return
-            self.rank_events[nr] = self.rank_events.get(nr, 0) + 1
+            self._count_rank_event(track, ev)
             self.aggs[key] = Aggregate(first=ev, last_ts=ev.ts)
             self._count_new(ev)
             return
-        self.rank_events[nr] = self.rank_events.get(nr, 0) + 1
+        self._count_rank_event(track, ev)
         agg.add(ev)
+
+    def _count_rank_event(self, track: RankTrack | None, ev: Event) -> None:
+        """One more rule event of the rank: on its track (beyond MAX_TRACKS, in `rank_events`)."""
+        if track is not None:
+            track.rule_events += 1
+        else:
+            nr = (ev.node, ev.rank)
+            self.rank_events[nr] = self.rank_events.get(nr, 0) + 1
 
     def _trends(self) -> list[dict[str, Any]]:
         """`analysis.trends.trends`, recomputed only when a curve or the loss scale changed."""
@@ -281,6 +292,29 @@ class Engine:
                 return None
             t = self.tracks[(node, rank)] = RankTrack(node=node, rank=rank, progress=self._node(node))
         return t
+
+    def compact(self) -> None:
+        """Hold less of what the analyses never read, the diagnosis unchanged (`denpexd serve`
+        calls it after each diagnosis: a job of thousands of ranks keeps an event or two per
+        rank): each rank's newest step line keeps only its step and planned total of its fields;
+        kept events share one empty context, one empty fields map, and their rank's number and
+        file name."""
+        shared: dict[Any, StepFields] = {}
+        for (_node, rank), t in self.tracks.items():
+            ev = t.last_progress
+            if ev is not None and ev.fields.__class__ is not StepFields:
+                t.last_progress = compact_step(ev, rank, t.files.first, shared)
+        tracks = self.tracks
+        for (node, rank, _rule), agg in self.aggs.items():
+            own = tracks.get((node, rank))
+            share_empties(agg.first, rank, own.files.first if own is not None else None)
+
+    def kept_step(self, ev: Event) -> Event:
+        """The step line as its rank's track keeps it, if it is the track's newest (the stall
+        watch then holds the same object), else ``ev``."""
+        t = self.tracks.get((ev.node, ev.rank)) if ev.rank is not None else None
+        kept = t.last_progress if t is not None else None
+        return kept if kept is not None and kept.id == ev.id else ev
 
     # -- ranks ----------------------------------------------------------------------------------
 
@@ -503,6 +537,12 @@ def carried(ev: Event) -> Event:
 
 def _keeps_whole(ev: Event) -> bool:
     return ev.role in ("root-cause", "symptom") or "signal" in ev.fields or "exitcode" in ev.fields
+
+
+def may_initiate(ev: Event) -> bool:
+    """Whether an event may be the initiator's own (a cause, a symptom, or a launcher's report of
+    an exit code or signal); the other initiators are inferred (a hang, a stall) and have none."""
+    return _keeps_whole(ev)
 
 
 def _kept(ev: Event) -> Event:

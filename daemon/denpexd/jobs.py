@@ -19,8 +19,9 @@ import contextlib
 import itertools
 import logging
 import time
+import zlib
 from collections import Counter, OrderedDict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -34,7 +35,7 @@ from denpexd import nodehistory
 from denpexd.alerts import Alerter
 from denpexd.analysis.evidence import root_cause
 from denpexd.config import ServeConfig
-from denpexd.engine import Engine
+from denpexd.engine import Engine, may_initiate
 from denpexd.errors import StoreError
 from denpexd.ingest import Ack
 from denpexd.metrics import Metrics
@@ -61,11 +62,19 @@ _WHOLE = (
 )  # fmt: skip
 
 
-def diagnosis_payload(doc: dict[str, Any], limit: int = MAX_DIAGNOSIS_BYTES) -> bytes:
+def diagnosis_json(doc: dict[str, Any]) -> bytes:
+    return orjson.dumps(doc, option=orjson.OPT_NON_STR_KEYS)
+
+
+def diagnosis_payload(
+    doc: dict[str, Any], limit: int = MAX_DIAGNOSIS_BYTES, data: bytes | None = None
+) -> bytes:
     """The diagnosis as published on MQTT: the document itself when it fits in ``limit`` bytes,
     else a copy whose long lists and maps keep their first entries, with ``"truncated"`` giving
-    each one's full length and where the whole document is."""
-    data = orjson.dumps(doc, option=orjson.OPT_NON_STR_KEYS)
+    each one's full length and where the whole document is. ``data``: `diagnosis_json(doc)`, when
+    the caller has it."""
+    if data is None:
+        data = diagnosis_json(doc)
     keep = 512
     while len(data) > limit and keep >= 0:
         short: dict[str, Any] = {}
@@ -92,6 +101,40 @@ def _stalled(doc: dict[str, Any]) -> bool:
     return doc.get("stall") is not None and (doc.get("root_cause") or {}).get("rule") == STALL_RULE
 
 
+class IdWindow:
+    """The ids of a job's latest `limit` new events, to drop re-sends: the oldest leaves first.
+    A plain dict and a queue of the same strings (an `OrderedDict` costs a linked-list node per
+    id on top of its table, a set's table is twice a dict's, and a job holds hundreds of
+    thousands of ids)."""
+
+    __slots__ = ("ids", "order")
+
+    def __init__(self) -> None:
+        self.ids: dict[str, None] = {}
+        self.order: deque[str] = deque()
+
+    def __contains__(self, eid: str) -> bool:
+        return eid in self.ids
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.order)
+
+    def __len__(self) -> int:
+        return len(self.order)
+
+    def add(self, eid: str, limit: int) -> None:
+        """Take a new id (not in the window)."""
+        self.ids[eid] = None
+        order = self.order
+        order.append(eid)
+        while len(order) > limit:
+            del self.ids[order.popleft()]
+
+    def discard(self, eid: str) -> None:
+        if self.ids.pop(eid, 0) is None:
+            self.order.remove(eid)
+
+
 class Bus(Protocol):
     async def publish(self, topic: str, payload: bytes, *, retain: bool = False) -> None: ...
 
@@ -102,7 +145,7 @@ class JobState:
     engine: Engine
     first_seen: float
     last_seen: float
-    seen: OrderedDict[str, None] = field(default_factory=OrderedDict)
+    seen: IdWindow = field(default_factory=IdWindow)
     pending: deque[tuple[wire.Batch, Ack, float, bytes | None]] = field(default_factory=deque)
     room: asyncio.Event = field(default_factory=asyncio.Event)
     scheduled: bool = False
@@ -110,7 +153,13 @@ class JobState:
     dirty_by_rule: bool = False  # besides progress and heartbeats, something else changed
     last_diagnosis_at: float = 0.0
     diagnosis_cost: float = 0.0
-    diagnosis: dict[str, Any] | None = None
+    verdict: str | None = None  # its last diagnosis's verdict
+    # its last diagnosis: the document while it is being published, then its JSON compressed
+    # (a 4,096-rank failure's document is ~1 MB of JSON, several MB as Python objects, ~60 KB
+    # compressed); `last_diagnosis()` reads it
+    fresh: dict[str, Any] | None = None
+    packed: bytes | None = None
+    # when the first event of each (node, rank, rule) that may name the initiator arrived
     arrivals: dict[tuple[str, int | None, str], float] = field(default_factory=dict)
     sent: dict[tuple[str, int | None, str], float] = field(default_factory=dict)  # its batch's sent_at
     failure_observed: bool = False
@@ -121,6 +170,28 @@ class JobState:
     marks: dict[str, AgentMark] = field(default_factory=dict)  # agent -> its latest batch's arrival
     watch: StallWatch | None = None  # its progress as time passes (made on its first step line)
     stalled: bool = False  # its last diagnosis holds a stall the engine did not explain
+    stall_shown: bool = False  # its last diagnosis holds a stall (also one a failure explains)
+    settling: Settling | None = None  # the agents a held first alert waits on (alert_settle_s)
+    settled: bool = False  # the last of them has read past the initiator's line: diagnose now
+
+    def last_diagnosis(self) -> dict[str, Any] | None:
+        if self.fresh is not None:
+            return self.fresh
+        if self.packed is None:
+            return None
+        doc: dict[str, Any] = orjson.loads(zlib.decompress(self.packed))
+        return doc
+
+
+@dataclass(slots=True)
+class Settling:
+    """The agents a new incident's held alert waits on to send a batch read after the
+    initiator's line (`JobTable.alert_wait`), and how to tell: the initiator's batch's `sent_at`
+    on the agents' clocks, else its arrival."""
+
+    agents: set[str]
+    sent: float | None
+    arrived: float
 
 
 @dataclass(slots=True)
@@ -218,7 +289,7 @@ class JobTable:
         """Whether the job's last diagnosis already says "failed" (ingest hoists other jobs'
         batches first)."""
         state = self.jobs.get(job)
-        return state is not None and state.diagnosis is not None and state.diagnosis["verdict"] == "failed"
+        return state is not None and state.verdict == "failed"
 
     async def hoist(self, batch: wire.Batch) -> None:
         """Feed a batch's match events to the engine now, ahead of the batches queued before it.
@@ -237,25 +308,24 @@ class JobTable:
         for ev in batch.events:
             if ev.kind != "match" or ev.id in seen:
                 continue
-            seen[ev.id] = None
-            if len(seen) > limit:
-                seen.popitem(last=False)
+            seen.add(ev.id, limit)
             hoisted.add(ev.id)
             try:
                 engine.add(ev)
             except Exception as exc:  # counted and marked here; the batch's own processing decides
                 hoisted.discard(ev.id)
-                seen.pop(ev.id, None)
+                seen.discard(ev.id)
                 self._fault(state, "hoist", exc)
                 continue
             fed = True
-            if ev.rule is not None:
+            if ev.rule is not None and may_initiate(ev):
                 key = (ev.node, ev.rank, ev.rule)
                 if key not in state.arrivals:
                     state.arrivals[key] = received
                     state.sent[key] = batch.sent_at
         if fed:
             await self._changed(state, failing, candidates)
+        await self._settle(state)
 
     def _fault(self, state: JobState, stage: str, exc: BaseException) -> None:
         """A fault inside one job: counted, logged with the job id (the traceback the first
@@ -307,6 +377,21 @@ class JobTable:
             mark.sent_at = max(mark.sent_at, batch.sent_at)
         if any(ev.kind != "heartbeat" for ev in batch.events):
             mark.read = now
+        settling = state.settling
+        if settling is not None and batch.agent in settling.agents:
+            past = mark.sent_at >= settling.sent if settling.sent is not None else now >= settling.arrived
+            if past:
+                settling.agents.discard(batch.agent)
+                if not settling.agents:
+                    # the last one: its events are fed, then a diagnosis lets the alert go now
+                    # rather than at the end of alert_settle_s (see `_settle`)
+                    state.settling, state.settled = None, True
+
+    async def _settle(self, state: JobState) -> None:
+        """Diagnose at once when the agents a held alert waited on have all read past the
+        initiator's line (their events are in the engine now)."""
+        if state.settled and self.jobs.get(state.job) is state:
+            await self.diagnose(state)
 
     def alert_wait(self, job: str, doc: dict[str, Any], failing_since: float) -> float:
         """How long a new incident's first alert should still wait for evidence that may move its
@@ -353,6 +438,7 @@ class JobTable:
             elif status["state"] == "online" and (mark is None or mark.arrived < since):
                 # (re)connected and not heard from since: its first read is on its way
                 wait = max(wait, min(catchup_left, 0.25))
+        settling: set[str] = set()
         for agent, mark in state.marks.items():
             if statuses.get(agent, {}).get("state") == "offline":
                 continue
@@ -364,6 +450,13 @@ class JobTable:
                 and not self._read_past(mark, state, ini, arrived)
             ):
                 wait = max(wait, settle_left)
+                settling.add(agent)
+        # the batch that ends the last of these waits triggers a diagnosis (`_mark`, `_settle`)
+        state.settling = (
+            Settling(settling, state.sent.get((ini["node"], ini["rank"], ini["rule"])), arrived)
+            if settling
+            else None
+        )
         if job_wide and catchup_left > 0:
             wait = max(wait, catchup_left)
         if catchup_left > 0 and self._historical(ini, doc):
@@ -404,7 +497,7 @@ class JobTable:
         """The engine took new rule events: diagnose now when the verdict may turn "failed" or the
         initiator may move (at most every 4 diagnosis costs); otherwise the debounce applies."""
         engine = state.engine
-        was_failed = state.diagnosis is not None and state.diagnosis.get("verdict") == "failed"
+        was_failed = state.verdict == "failed"
         urgent = (engine.failing_aggs > failing and not was_failed) or (
             engine.candidate_aggs > candidates and (was_failed or engine.failing_aggs > 0)
         )
@@ -493,9 +586,7 @@ class JobTable:
                 dups[ev.kind] += 1
                 continue
             else:
-                seen[ev.id] = None
-                if len(seen) > limit:
-                    seen.popitem(last=False)
+                seen.add(ev.id, limit)
                 engine.add(ev)
             kinds[ev.kind] += 1
             accepted.append(ev)
@@ -509,7 +600,7 @@ class JobTable:
                     self._watch(state).marker(ev, rule.marker, received)
             if ev.kind == "match" and ev.rule is not None:
                 key = (ev.node, ev.rank, ev.rule)
-                if key not in state.arrivals:
+                if key not in state.arrivals and may_initiate(ev):
                     state.arrivals[key] = received
                     state.sent[key] = batch.sent_at
                 rule = self.rules.get(ev.rule)
@@ -531,6 +622,7 @@ class JobTable:
         if kinds:
             slow = kinds.keys() <= {"progress", "heartbeat"}
             await self._changed(state, failing, candidates, progress_only=slow)
+        await self._settle(state)
         await self.writer.add(rows, state.job, state.first_seen, wall, ack)
 
     async def _process_progress(
@@ -538,17 +630,19 @@ class JobTable:
     ) -> None:
         """`_process` for a batch of progress events alone (the bulk of the traffic): the same
         outcome, without the per-event branching on kinds and rules."""
-        seen, add, limit = state.seen, state.engine.add_progress, self.cfg.dedup_ids_per_job
+        ids, order = state.seen.ids, state.seen.order
+        add, limit = state.engine.add_progress, self.cfg.dedup_ids_per_job
         pace, received = self._watch(state).progress, self._mono()
         accepted: list[Event] = []
         newest: float | None = None
         for ev in batch.events:
             eid = ev.id
-            if eid in seen:
+            if eid in ids:
                 continue
-            seen[eid] = None
-            if len(seen) > limit:
-                seen.popitem(last=False)
+            ids[eid] = None  # IdWindow.add, inline: the bulk of the traffic
+            order.append(eid)
+            if len(order) > limit:
+                del ids[order.popleft()]
             add(ev)
             pace(ev, received)
             accepted.append(ev)
@@ -570,6 +664,7 @@ class JobTable:
             self.metrics.duplicates({"progress": dups})
         if newest is not None:
             self.metrics.ingest_lag.observe(max(0.0, wall - newest))
+        await self._settle(state)
         await self.writer.add(rows, state.job, state.first_seen, wall, ack)
 
     def _watch(self, state: JobState) -> StallWatch:
@@ -599,7 +694,9 @@ class JobTable:
                 if state.watch is None or self.jobs.get(state.job) is not state:
                     continue
                 try:
-                    turned = (self._stall(state) is not None) != state.stalled
+                    # against what its last diagnosis showed: a failed job whose ranks stopped
+                    # shows the stall once, not a new diagnosis every look
+                    turned = (self._stall(state) is not None) != state.stall_shown
                 except Exception as exc:  # this job's problem; the watch goes on with the others
                     self._fault(state, "stall", exc)
                     continue
@@ -664,17 +761,19 @@ class JobTable:
             log.error("diagnosis not stored job=%s error=%s", state.job, exc)  # the store's, not the job's
         except Exception as exc:
             self._fault(state, "diagnose", exc)
-        doc: dict[str, Any] = dict(state.diagnosis) if state.diagnosis is not None else {"job": state.job}
+        doc: dict[str, Any] = dict(state.last_diagnosis() or {"job": state.job})
         doc.setdefault("verdict", "unknown")
         doc["broken"] = state.broken
         return doc
 
     async def _diagnose(self, state: JobState) -> dict[str, Any]:
+        state.settled = False
         t0 = time.perf_counter()
         doc = state.engine.diagnose()
         stall = self._stall(state)
         overlay(doc, stall, root_cause(self.rules, STALL_RULE, "hang"))
         was_stalled, state.stalled = state.stalled, stall is not None and _stalled(doc)
+        state.stall_shown = stall is not None
         state.diagnosis_cost = time.perf_counter() - t0
         state.last_diagnosis_at = self._mono()
         self.metrics.diagnoses.inc()
@@ -686,14 +785,22 @@ class JobTable:
             doc["node_history"] = record
         if state.broken is not None:
             doc["broken"] = state.broken
-        state.diagnosis = doc
+        state.verdict, state.fresh, state.packed = doc["verdict"], doc, None
         self._export(state, doc)
+        data = diagnosis_json(doc)
         if self.bus is not None:
-            await self.bus.publish(wire.diagnosis_topic(state.job), diagnosis_payload(doc), retain=True)
+            await self.bus.publish(
+                wire.diagnosis_topic(state.job), diagnosis_payload(doc, data=data), retain=True
+            )
         # the alert first: storing the diagnosis may wait behind a commit of events
         if was_stalled and not state.stalled and doc["verdict"] != "failed":
             await self.alerter.resolve(state.job)  # the steps moved on: the stall is over
         await self.alerter.on_diagnosis(state.job, doc)
+        if state.fresh is doc:  # kept compressed from here on (not if a newer one took its place)
+            state.fresh, state.packed = None, zlib.compress(data, 1)
+        state.engine.compact()
+        if state.watch is not None:
+            state.watch.compact(state.engine.kept_step)
         await self.store.save_diagnosis(state.job, doc)
         return doc
 
@@ -760,9 +867,8 @@ class JobTable:
         state = self.jobs.get(job)
         if state is None:
             return None
-        if state.dirty_since is not None or state.diagnosis is None:
-            return await self.diagnose(state)
-        return state.diagnosis
+        doc = None if state.dirty_since is not None else state.last_diagnosis()
+        return doc if doc is not None else await self.diagnose(state)
 
     # -- closing ------------------------------------------------------------------------------------
 
@@ -819,9 +925,7 @@ class JobTable:
             for ev in await self.store.load_events(job):
                 if ev.id in seen:
                     continue  # the live path dropped it too (rows of progress batches can repeat ids)
-                seen[ev.id] = None
-                if len(seen) > limit:
-                    seen.popitem(last=False)
+                seen.add(ev.id, limit)
                 try:
                     state.engine.add(ev)
                 except Exception as exc:  # a stored event the engine cannot take: counted, skipped

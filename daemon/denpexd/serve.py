@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import importlib.metadata
 import logging
 import signal
 import time
@@ -219,9 +220,25 @@ class App:
             await asyncio.sleep(RETENTION_EVERY_S)
 
 
+def loop_factory(choice: str) -> tuple[Callable[[], asyncio.AbstractEventLoop] | None, str]:
+    """The event loop `serve` runs on (`event_loop`): uvloop's when it is wanted and can be
+    imported, else the standard one (None); and its name for the log."""
+    if choice != "asyncio":
+        try:
+            import uvloop
+        except ImportError as exc:
+            if choice == "uvloop":
+                raise ConfigError("event_loop", f"uvloop cannot be imported: {exc}") from None
+        else:
+            return uvloop.new_event_loop, f"uvloop {importlib.metadata.version('uvloop')}"
+    return None, "asyncio"
+
+
 def run_serve(loader: Loader, *, set_aside_damaged_store: bool = False) -> None:
     """Load, then serve until stopped; raises `DenpexdError` subclasses for the CLI to report."""
     app = App(loader, set_aside_damaged_store=set_aside_damaged_store)
+    factory, loop_name = loop_factory(app.loaded.cfg.event_loop)
+    log.info("event loop loop=%s", loop_name)
     bound = app.loaded.cfg.shutdown_timeout_s + STOP_MARGIN_S
 
     def watch_the_stop() -> None:
@@ -235,7 +252,8 @@ def run_serve(loader: Loader, *, set_aside_damaged_store: bool = False) -> None:
     gc.freeze()
     gc.set_threshold(GC_THRESHOLD, 20, 20)
     try:
-        asyncio.run(app.run())
+        with asyncio.Runner(loop_factory=factory) as runner:
+            runner.run(app.run())
     except asyncio.CancelledError:
         log.warning("stopped by a second signal without draining")
 

@@ -15,7 +15,7 @@ from denpexd.serve import load, run_serve
 
 FLAG_KEYS = (
     "mqtt_listen", "broker", "http_listen", "data_dir", "rules", "client_id", "shared_group", "job_idle_close_s",
-    "max_open_jobs", "alertmanager", "api_token", "log_level",
+    "max_open_jobs", "alertmanager", "api_token", "log_level", "event_loop",
 )  # fmt: skip
 
 

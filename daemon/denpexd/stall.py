@@ -27,12 +27,13 @@ from __future__ import annotations
 
 import statistics
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from denpex_agent.events import Event
 from denpex_agent.timestamps import format_iso
-from denpexd.analysis.tracks import at_planned_end
+from denpexd.analysis.tracks import StepFields, at_planned_end
 
 STALL_RULE = "job-progress-stalled"
 INTERVALS = 64  # recent step intervals the threshold is based on
@@ -91,6 +92,14 @@ class StallWatch:
         self.last_advance = now
         if self.pause is not None and now > self.pause[1]:
             self.pause = None  # a step after the announcement: the pause is over
+
+    def compact(self, kept: Callable[[Event], Event]) -> None:
+        """Hold each rank's line as ``kept`` gives it (the engine's compacted copy of the same
+        line: one object for both)."""
+        for pace in self.ranks.values():
+            ev = pace.event
+            if ev.fields.__class__ is not StepFields:
+                pace.event = kept(ev)
 
     def marker(self, ev: Event, kind: str, now: float) -> None:
         if kind in ("pause", "checkpoint"):

@@ -277,3 +277,23 @@ async def test_a_failure_every_rank_shares_so_far_still_waits_for_an_earlier_war
     rec = await _scenario(tmp_path, library, script)
     firing = [a for _, a in rec.sent if "endsAt" not in a]
     assert [a["labels"]["rank"] for a in firing] == ["3"], rec.sent
+
+
+@pytest.mark.asyncio
+async def test_the_last_awaited_agent_s_batch_ends_the_wait(tmp_path: Path, library: RuleSet) -> None:
+    """The other agent sends its next batch (collateral, read after the initiator's line) 100 ms
+    later: the alert goes with the diagnosis made at once after it, well before alert_settle_s,
+    and names the rank the final diagnosis names."""
+    sent_at: list[float] = []
+
+    async def script(send: Any) -> None:
+        await send("node1", [_ev(library, "node1", 0, "cuda-oom", T0 + 6.0, 100)])
+        await asyncio.sleep(0.1)
+        sent_at.append(time.monotonic())
+        await send("node2", [_ev(library, "node2", 3, "nccl-remote-error", T0 + 6.5, 100)])
+
+    # neither the settle time nor the next debounced diagnosis would come within the scenario
+    rec = await _scenario(tmp_path, library, script, alert_settle_s=5.0, debounce_s=5.0)
+    firing = [(at, a) for at, a in rec.sent if "endsAt" not in a]
+    assert [a["labels"]["rank"] for _, a in firing] == ["0"], rec.sent
+    assert firing[0][0] - sent_at[0] < 0.5

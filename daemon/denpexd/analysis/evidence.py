@@ -71,7 +71,8 @@ def evidence(c: Candidate) -> dict[str, Any] | None:
 
 def rank_table(tracks: Tracks, aligned: Aligned, rank_events: dict[TrackKey, int]) -> list[dict[str, Any]]:
     """One row per tracked rank (by rank, unknown last, then node): its last step, that step's
-    time on the reference clock and how many rule events it logged (``rank_events``)."""
+    time on the reference clock and how many rule events it logged (its track's count, plus
+    ``rank_events``: those counted without a track)."""
     rows = []
     for (node, rank), t in sorted(tracks.items(), key=lambda kv: (kv[0][1] is None, kv[0][1] or 0, kv[0][0])):
         at = aligned(node, t.last_step_ts)
@@ -81,7 +82,7 @@ def rank_table(tracks: Tracks, aligned: Aligned, rank_events: dict[TrackKey, int
                 "rank": rank,
                 "last_step": t.last_step,
                 "last_step_time": format_iso(at) if at is not None else None,
-                "events": rank_events.get((node, rank), 0),
+                "events": t.rule_events + rank_events.get((node, rank), 0),
             }
         )
     return rows

@@ -206,6 +206,106 @@ class NodeProgress(StepSamples):
         return self._curve
 
 
+# What kept events share instead of one empty container each (a job keeps thousands of events):
+# never mutated.
+NO_CONTEXT: list[str] = []
+NO_FIELDS: dict[str, Any] = {}
+STEP_FIELDS = ("step", "total")  # what the analyses read of a rank's newest step line's fields
+
+
+class StepFields(dict[str, Any]):
+    """The fields a compacted step line keeps (`STEP_FIELDS`), shared by the ranks at the same
+    step; never mutated. Its class marks a line as compacted."""
+
+    __slots__ = ()
+
+
+def compact_step(ev: Event, rank: int | None, file: str | None, shared: dict[Any, StepFields]) -> Event:
+    """A rank's newest step line as the analyses read it: its fields cut to `STEP_FIELDS` (shared
+    through ``shared``), an empty context shared, the rank's number and file name (``rank``,
+    ``file``: equal values the track holds already) instead of copies."""
+    f = ev.fields
+    key = tuple((k, f[k].__class__, f[k]) for k in STEP_FIELDS if k in f)
+    fields = shared.get(key)
+    if fields is None:
+        fields = shared[key] = StepFields((k, v) for k, _, v in key)
+    return Event(
+        ev.id, ev.kind, ev.job, ev.node, rank if rank == ev.rank else ev.rank, ev.local_rank,
+        file if file == ev.file and file is not None else ev.file, ev.offset, ev.line_no, ev.ts,
+        ev.ts_source, ev.rule, ev.severity, ev.role, ev.category, ev.text,
+        ev.context or NO_CONTEXT, fields,
+    )  # fmt: skip
+
+
+def share_empties(ev: Event, rank: int | None, file: str | None) -> None:
+    """Make a kept event hold the shared empty containers and the track's rank number and file
+    name where its own are equal: in place, since nothing a reader sees changes."""
+    if not ev.context and ev.context is not NO_CONTEXT:
+        ev.context = NO_CONTEXT
+    if not ev.fields and ev.fields is not NO_FIELDS:
+        ev.fields = NO_FIELDS
+    if file is not None and ev.file is not file and ev.file == file:
+        ev.file = file
+    if rank is not None and ev.rank is not rank and ev.rank == rank:
+        ev.rank = rank
+
+
+class Votes:
+    """How often each key (a file, a local rank) was seen: a counting map that stores its first
+    key inline and makes a dict only for a second one (memory: a rank almost always writes one
+    file under one local rank, and a job holds a track per rank)."""
+
+    __slots__ = ("_count", "_key", "_more")
+
+    def __init__(self) -> None:
+        self._key: Any = None
+        self._count = 0
+        self._more: dict[Any, int] | None = None
+
+    def add(self, key: Any) -> None:
+        if self._count and key == self._key:
+            self._count += 1
+        elif not self._count:
+            self._key, self._count = key, 1
+        else:
+            more = self._more
+            if more is None:
+                more = self._more = {}
+            more[key] = more.get(key, 0) + 1
+
+    def __contains__(self, key: object) -> bool:
+        return (self._count > 0 and key == self._key) or (self._more is not None and key in self._more)
+
+    def __getitem__(self, key: Any) -> int:
+        if self._count and key == self._key:
+            return self._count
+        if self._more is None:
+            raise KeyError(key)
+        return self._more[key]
+
+    @property
+    def first(self) -> Any:
+        """The first key seen (None: none)."""
+        return self._key
+
+    def to_dict(self) -> dict[Any, int]:
+        out = {self._key: self._count} if self._count else {}
+        out.update(self._more or {})
+        return out
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Votes):
+            return self.to_dict() == other.to_dict()
+        if isinstance(other, dict):
+            return self.to_dict() == other
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"Votes({self.to_dict()!r})"
+
+
 @dataclass(slots=True)
 class RankTrack:
     """What hang detection, stragglers and the rank table need of one rank (no sample history).
@@ -223,15 +323,15 @@ class RankTrack:
     series: dict[str, Series] | None = None
     # how many of this rank's events came from each file and under each local rank: the votes
     # that give an event naming no global rank its rank (see analysis.ranks)
-    files: dict[str, int] = field(default_factory=dict)
-    locals: dict[int, int] = field(default_factory=dict)
+    files: Votes = field(default_factory=Votes)
+    locals: Votes = field(default_factory=Votes)
+    rule_events: int = 0  # rule events that named this rank (the rank table's count)
 
     def vote(self, ev: Event) -> None:
-        files = self.files
-        files[ev.file] = files.get(ev.file, 0) + 1
+        self.files.add(ev.file)
         local = ev.local_rank
         if local is not None:
-            self.locals[local] = self.locals.get(local, 0) + 1
+            self.locals.add(local)
 
     @property
     def samples(self) -> list[tuple[int, float]]:
@@ -282,6 +382,7 @@ class RankTrack:
         )
         dup.merge(self)
         dup.files, dup.locals = self.files, self.locals  # read-only from here on
+        dup.rule_events = self.rule_events
         return dup
 
     def merge(self, other: RankTrack) -> None:
