@@ -135,7 +135,7 @@ class Engine:
                 add_claim(self.rank_claims, announced, ev.node, ev.rank, ev.ts)
             marker = self.rules.get(rule)
             if marker is not None and marker.marker == "checkpoint":
-                add_save(self.save_marks, ev)
+                add_save(self.save_marks, _kept(ev))  # its line, not its context
             return
         scale = ev.fields.get("scale")
         if isinstance(scale, float) and math.isfinite(scale):
