@@ -72,10 +72,15 @@ def proc_hwm_mb(pid: int) -> float:
     return float("nan")
 
 
-def agent_proc(job: str, logs: list[str], state: Path, log: Path, *extra: str) -> subprocess.Popen[bytes]:
-    exe = shutil.which("denpex-agent") or "denpex-agent"
+def agent_proc(
+    job: str, logs: list[str], state: Path, log: Path, *extra: str, tree: Path = REPO
+) -> subprocess.Popen[bytes]:
+    """The agent of the source tree ``tree`` (this checkout by default), not whatever
+    ``denpex-agent`` an installed package points at."""
     cmd = [
-        exe,
+        sys.executable,
+        "-c",
+        os.environ.get("BENCH_AGENT_MAIN", "import sys; from denpex_agent.cli import main; sys.exit(main())"),
         "--job",
         job,
         "--node",
@@ -87,6 +92,7 @@ def agent_proc(job: str, logs: list[str], state: Path, log: Path, *extra: str) -
     for pattern in logs:
         cmd += ["--logs", pattern]
     env = {k: v for k, v in os.environ.items() if not k.startswith("DENPEX_")}
+    env["PYTHONPATH"] = os.pathsep.join(str(tree / d) for d in ("agents", "daemon"))
     with log.open("ab") as out:
         return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
 
@@ -233,7 +239,12 @@ async def _subscribe(
 
 
 def phase_follow(
-    work: Path, seconds: float, gen: Any, extra: list[str] | None = None, idle_seconds: float = 10.0
+    work: Path,
+    seconds: float,
+    gen: Any,
+    extra: list[str] | None = None,
+    idle_seconds: float = 10.0,
+    tree: Path = REPO,
 ) -> dict[str, Any]:
     logs = work / "live"
     shutil.rmtree(logs, ignore_errors=True)
@@ -246,8 +257,14 @@ def phase_follow(
     sub = threading.Thread(target=lambda: asyncio.run(_subscribe(job, arrivals, ready, stop)), daemon=True)
     sub.start()
     ready.wait(10)
+    shutil.rmtree(work / "state-live", ignore_errors=True)
     p = agent_proc(
-        job, [str(logs / "rank*.log")], work / "state-live", work / "agent-live.log", *(extra or [])
+        job,
+        [str(logs / "rank*.log")],
+        work / "state-live",
+        work / "agent-live.log",
+        *(extra or []),
+        tree=tree,
     )
     time.sleep(5.0)  # start-up done (imports, rules, connection, the first clock exchanges)
     idle0, ti0 = proc_cpu(p.pid), time.monotonic()
@@ -283,6 +300,46 @@ def phase_follow(
     }
 
 
+def _print_follow(label: str, follow: dict[str, Any]) -> None:
+    print(
+        f"{label}follow 8 x 1,000 lines/s: {follow['core_percent']:.2f}% of one core over "
+        f"{follow['seconds']:.0f} s ({follow['lines_written']} lines); idle {follow['idle_core_percent']:.2f}%; "
+        f"latency p50 {follow['latency_p50_ms']:.1f} ms, p99 {follow['latency_p99_ms']:.1f} ms, "
+        f"max {follow['latency_max_ms']:.1f} ms over {follow['latency_samples']} lines "
+        f"({follow['latency_missing']} missing)",
+        flush=True,
+    )
+
+
+def follow_only(a: argparse.Namespace, gen: Any, work: Path) -> int:
+    """Phases 2 and 4, ``--rounds`` times; with ``--baseline-tree`` the two trees take turns
+    (baseline first), so both see the same load on a shared machine. Best of N: the lowest CPU."""
+    trees = [("this", REPO)]
+    if a.baseline_tree:
+        trees.insert(0, ("baseline", Path(a.baseline_tree).resolve()))
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name, _ in trees}
+    for r in range(a.rounds):
+        for name, tree in trees:
+            follow = phase_follow(work, a.follow_seconds, gen, a.agent_arg, tree=tree)
+            runs[name].append(follow)
+            _print_follow(f"round {r + 1} {name:8s} ", follow)
+    print(f"agent args: {' '.join(a.agent_arg) or '-'}; trees: " + ", ".join(f"{n}={t}" for n, t in trees))
+    for name, _ in trees:
+        rs = runs[name]
+        cpu = sorted(f["core_percent"] for f in rs)
+        idle = sorted(f["idle_core_percent"] for f in rs)
+        p99 = sorted(f["latency_p99_ms"] or float("nan") for f in rs)
+        missing = sum(f["latency_missing"] for f in rs)
+        print(
+            f"{name:8s}: follow best {cpu[0]:.2f}% median {statistics.median(cpu):.2f}% of one core "
+            f"(all: {' / '.join(f'{c:.2f}' for c in cpu)}); idle best {idle[0]:.2f}%; "
+            f"p99 {' / '.join(f'{x:.0f}' for x in p99)} ms; {missing} missing"
+        )
+    if a.json:
+        Path(a.json).write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "follow": runs}, indent=1))
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size", default="512M")
@@ -297,29 +354,19 @@ def main() -> int:
         default=[],
         help="an extra argument for the followed agent (repeatable)",
     )
+    ap.add_argument(
+        "--baseline-tree",
+        metavar="DIR",
+        help="with --follow-only: also run the agent of this source tree (e.g. a `git worktree` of "
+        "an older commit), rounds interleaved with this tree's",
+    )
+    ap.add_argument("--rounds", type=int, default=1, help="with --follow-only: rounds (best of N)")
     a = ap.parse_args()
     gen = _load("gen_training_log")
     work = Path(a.workdir)
     work.mkdir(parents=True, exist_ok=True)
     if a.follow_only:
-        follow = phase_follow(work, a.follow_seconds, gen, a.agent_arg)
-        print(
-            f"follow 8 x 1,000 lines/s: {follow['core_percent']:.2f}% of one core over {follow['seconds']:.0f} s "
-            f"({follow['lines_written']} lines; agent args {' '.join(a.agent_arg) or '-'})"
-        )
-        print(
-            f"idle, 8 files unwritten : {follow['idle_core_percent']:.2f}% of one core over {follow['idle_seconds']:.0f} s"
-        )
-        print(
-            f"latency write->delivered: p50 {follow['latency_p50_ms']:.1f} ms, p99 {follow['latency_p99_ms']:.1f} ms, "
-            f"max {follow['latency_max_ms']:.1f} ms over {follow['latency_samples']} lines "
-            f"({follow['latency_missing']} missing)"
-        )
-        if a.json:
-            Path(a.json).write_text(
-                json.dumps({"date": time.strftime("%Y-%m-%d"), "follow": follow}, indent=1)
-            )
-        return 0
+        return follow_only(a, gen, work)
     log_file = work / f"train-{a.size}-s{a.seed}.log"
     size = gen.parse_size(a.size)
     if not log_file.exists() or abs(log_file.stat().st_size - size) > size // 100:

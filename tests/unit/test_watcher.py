@@ -264,3 +264,38 @@ def test_a_moved_directory_is_watched_anew(tmp_path: Path, w: Watcher) -> None:
     assert str((tmp_path / "b" / "x.log").resolve()) in _wait_for(
         w, str((tmp_path / "b" / "x.log").resolve())
     )
+
+
+def test_a_file_written_without_pause_is_polled_without_write_events(tmp_path: Path) -> None:
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    log = logs / "rank0.log"
+    log.write_text("")
+    (logs / "rank1.log").write_text("")
+    t = _tailer((str(logs / "rank*.log"),), tmp_path / "state", mounts=lambda: "/dev/sda1 / ext4 rw 0 0\n")
+    t.discover()
+    t.poll(1 << 20)
+    assert t.watcher is not None
+    with log.open("a", buffering=1) as fh:
+        for step in range(2):  # written since each of two looks: writes are no longer reported
+            fh.write(f"step {step} loss 2.0\n")
+            assert t.wait(2.0)
+            t.poll(1 << 20)
+        assert t.muted and t.due_in(0.15) == 0.15
+        for step in range(2, 40):  # no event per write; every file is looked at each poll
+            fh.write(f"step {step} loss 2.0\n")
+        assert not t.watcher.wait(0.05)
+        looks = t.looks
+        t.poll(1 << 20)
+        assert t.looks == looks + 2 and t.files[0].pos == log.stat().st_size
+        (logs / "rank2.log").write_text("")  # names are still reported while muted
+        assert t.wait(2.0) and t.discover_wanted
+        t.poll(1 << 20)  # nothing new: writes are reported again, and every file looked at
+        assert not t.muted and t.due_in(0.15) == 0.0
+        fh.write("step 40 loss 1.9\n")  # written between those two polls: not lost
+    t.poll(1 << 20)
+    assert t.files[0].pos == log.stat().st_size and t.due_in(0.15) > 0.0
+    with log.open("a") as fh:
+        fh.write("step 41 loss 1.9\n")
+    assert t.wait(2.0)  # and inotify wakes the reader again
+    t.close()
