@@ -3,7 +3,12 @@
 and write-to-delivery latency — all against the real Mosquitto on 127.0.0.1:1883.
 
 Usage: python bench/bench_agent.py [--size 512M] [--seed 42] [--follow-seconds 30] [--json OUT]
-       python bench/bench_agent.py --follow-only [--follow-seconds 30] [--agent-arg=--force-polling]
+       python bench/bench_agent.py --follow-only [--follow-seconds 30] [--agent-arg=--follow-mode --agent-arg=poll]
+       python bench/bench_agent.py --follow-only --baseline-tree DIR --rounds 3
+
+The agent run is always the one of a source tree (this checkout, or --baseline-tree's: e.g.
+``git archive <commit> agents daemon rules | tar -x -C DIR``), started with that tree's
+``agents`` and ``daemon`` on PYTHONPATH, never an installed ``denpex-agent``.
 
 1. Throughput: the agent starts on a training-like log of --size (bench/gen_training_log.py,
    the same file the orientation figures were measured on) and reads it from the beginning;
