@@ -4,7 +4,7 @@ and write-to-delivery latency — all against the real Mosquitto on 127.0.0.1:18
 
 Usage: python bench/bench_agent.py [--size 512M] [--seed 42] [--follow-seconds 30] [--json OUT]
        python bench/bench_agent.py --follow-only [--follow-seconds 30] [--agent-arg=--follow-mode --agent-arg=poll]
-       python bench/bench_agent.py --follow-only --baseline-tree DIR --rounds 3
+       python bench/bench_agent.py --follow-only --baseline-tree DIR --rounds 3   (both agents at once)
 
 The agent run is always the one of a source tree (this checkout, or --baseline-tree's: e.g.
 ``git archive <commit> agents daemon rules | tar -x -C DIR``), started with that tree's
@@ -251,58 +251,87 @@ def phase_follow(
     idle_seconds: float = 10.0,
     tree: Path = REPO,
 ) -> dict[str, Any]:
+    return phase_follow_many(work, seconds, gen, extra, idle_seconds, [tree])[0]
+
+
+def phase_follow_many(
+    work: Path,
+    seconds: float,
+    gen: Any,
+    extra: list[str] | None,
+    idle_seconds: float,
+    trees: list[Path],
+) -> list[dict[str, Any]]:
+    """Phases 2 and 4 for one agent per tree, all following the same 8 files at the same time
+    (each with a job, a state and a subscriber of its own): on a shared machine every agent sees
+    the very same writes and the same load, which agents run one after the other do not."""
     logs = work / "live"
     shutil.rmtree(logs, ignore_errors=True)
     logs.mkdir()
     for r in range(8):
         (logs / f"rank{r}.log").write_text("")
-    job = f"bench-live-{uuid.uuid4().hex[:6]}"
-    arrivals: dict[str, float] = {}
-    ready, stop = threading.Event(), threading.Event()
-    sub = threading.Thread(target=lambda: asyncio.run(_subscribe(job, arrivals, ready, stop)), daemon=True)
-    sub.start()
-    ready.wait(10)
-    shutil.rmtree(work / "state-live", ignore_errors=True)
-    p = agent_proc(
-        job,
-        [str(logs / "rank*.log")],
-        work / "state-live",
-        work / "agent-live.log",
-        *(extra or []),
-        tree=tree,
-    )
+    jobs = [f"bench-live-{uuid.uuid4().hex[:6]}" for _ in trees]
+    arrivals: list[dict[str, float]] = [{} for _ in trees]
+    stop = threading.Event()
+    procs = []
+    for i, (job, tree) in enumerate(zip(jobs, trees, strict=True)):
+        ready = threading.Event()
+        sub = threading.Thread(
+            target=lambda j=job, a=arrivals[i], r=ready: asyncio.run(_subscribe(j, a, r, stop)), daemon=True
+        )
+        sub.start()
+        ready.wait(10)
+        state = work / f"state-live-{i}"
+        shutil.rmtree(state, ignore_errors=True)
+        procs.append(
+            agent_proc(
+                job,
+                [str(logs / "rank*.log")],
+                state,
+                work / f"agent-live-{i}.log",
+                # an MQTT client id of its own (two agents with one id take the session from each other)
+                *(["--node", f"bench-{i}"] if len(trees) > 1 else []),
+                *(extra or []),
+                tree=tree,
+            )
+        )
     time.sleep(5.0)  # start-up done (imports, rules, connection, the first clock exchanges)
-    idle0, ti0 = proc_cpu(p.pid), time.monotonic()
+    idle0, ti0 = [proc_cpu(p.pid) for p in procs], time.monotonic()
     time.sleep(idle_seconds)  # the 8 files followed, nothing written
-    idle1, ti1 = proc_cpu(p.pid), time.monotonic()
-    cpu0, t0 = proc_cpu(p.pid), time.monotonic()
+    idle1, ti1 = [proc_cpu(p.pid) for p in procs], time.monotonic()
+    cpu0, t0 = [proc_cpu(p.pid) for p in procs], time.monotonic()
     writer = LiveWriter(logs, 8, 1000, seconds, gen)
     writer.start()
     writer.join()
-    cpu1, t1 = proc_cpu(p.pid), time.monotonic()
+    cpu1, t1 = [proc_cpu(p.pid) for p in procs], time.monotonic()
     time.sleep(2.0)
     stop.set()
-    hwm = proc_hwm_mb(p.pid)
-    p.send_signal(signal.SIGTERM)
-    p.wait(30)
-    lat = sorted(arrivals[m] - w for m, w in writer.markers.items() if m in arrivals)
-    missing = len(writer.markers) - len(lat)
-    return {
-        "files": 8,
-        "lines_per_s_per_file": 1000,
-        "seconds": t1 - t0,
-        "lines_written": writer.written,
-        "cpu_s": cpu1 - cpu0,
-        "core_percent": 100.0 * (cpu1 - cpu0) / (t1 - t0),
-        "idle_seconds": ti1 - ti0,
-        "idle_core_percent": 100.0 * (idle1 - idle0) / (ti1 - ti0),
-        "peak_rss_mb": hwm,
-        "latency_samples": len(lat),
-        "latency_missing": missing,
-        "latency_p50_ms": 1000 * statistics.median(lat) if lat else None,
-        "latency_p99_ms": 1000 * lat[min(len(lat) - 1, int(0.99 * len(lat)))] if lat else None,
-        "latency_max_ms": 1000 * lat[-1] if lat else None,
-    }
+    out = []
+    for i, p in enumerate(procs):
+        hwm = proc_hwm_mb(p.pid)
+        p.send_signal(signal.SIGTERM)
+        p.wait(30)
+        lat = sorted(arrivals[i][m] - w for m, w in writer.markers.items() if m in arrivals[i])
+        out.append(
+            {
+                "tree": str(trees[i]),
+                "files": 8,
+                "lines_per_s_per_file": 1000,
+                "seconds": t1 - t0,
+                "lines_written": writer.written,
+                "cpu_s": cpu1[i] - cpu0[i],
+                "core_percent": 100.0 * (cpu1[i] - cpu0[i]) / (t1 - t0),
+                "idle_seconds": ti1 - ti0,
+                "idle_core_percent": 100.0 * (idle1[i] - idle0[i]) / (ti1 - ti0),
+                "peak_rss_mb": hwm,
+                "latency_samples": len(lat),
+                "latency_missing": len(writer.markers) - len(lat),
+                "latency_p50_ms": 1000 * statistics.median(lat) if lat else None,
+                "latency_p99_ms": 1000 * lat[min(len(lat) - 1, int(0.99 * len(lat)))] if lat else None,
+                "latency_max_ms": 1000 * lat[-1] if lat else None,
+            }
+        )
+    return out
 
 
 def _print_follow(label: str, follow: dict[str, Any]) -> None:
@@ -317,15 +346,17 @@ def _print_follow(label: str, follow: dict[str, Any]) -> None:
 
 
 def follow_only(a: argparse.Namespace, gen: Any, work: Path) -> int:
-    """Phases 2 and 4, ``--rounds`` times; with ``--baseline-tree`` the two trees take turns
-    (baseline first), so both see the same load on a shared machine. Best of N: the lowest CPU."""
+    """Phases 2 and 4, ``--rounds`` times. With ``--baseline-tree`` the baseline's agent and this
+    tree's follow the same files at the same time (started in turns: baseline first in odd
+    rounds), so both see the same writes and the same load. Best of N: the lowest CPU."""
     trees = [("this", REPO)]
     if a.baseline_tree:
         trees.insert(0, ("baseline", Path(a.baseline_tree).resolve()))
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name, _ in trees}
     for r in range(a.rounds):
-        for name, tree in trees:
-            follow = phase_follow(work, a.follow_seconds, gen, a.agent_arg, tree=tree)
+        order = trees if r % 2 == 0 else trees[::-1]
+        got = phase_follow_many(work, a.follow_seconds, gen, a.agent_arg, 10.0, [t for _, t in order])
+        for (name, _), follow in sorted(zip(order, got, strict=True), key=lambda x: x[0][0]):
             runs[name].append(follow)
             _print_follow(f"round {r + 1} {name:8s} ", follow)
     print(f"agent args: {' '.join(a.agent_arg) or '-'}; trees: " + ", ".join(f"{n}={t}" for n, t in trees))
@@ -362,8 +393,8 @@ def main() -> int:
     ap.add_argument(
         "--baseline-tree",
         metavar="DIR",
-        help="with --follow-only: also run the agent of this source tree (e.g. a `git worktree` of "
-        "an older commit), rounds interleaved with this tree's",
+        help="with --follow-only: also run the agent of this source tree (e.g. `git archive` of "
+        "an older commit), following the same files at the same time as this tree's",
     )
     ap.add_argument("--rounds", type=int, default=1, help="with --follow-only: rounds (best of N)")
     a = ap.parse_args()
