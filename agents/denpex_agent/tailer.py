@@ -491,9 +491,9 @@ class Tailer:
             if grew and self.grew and not w.muted:
                 # written since each of the last two looks: while that goes on every file is
                 # looked at every poll interval, and inotify's event per write(2) is only work
-                w.mute(True)
+                self.discover_wanted |= not w.mute(True)
             elif not grew and w.muted:
-                w.mute(False)
+                self.discover_wanted |= not w.mute(False)
                 self._look_all = True  # a write made while muted raised no event: look again now
         self.grew = grew
         return events, marks, more

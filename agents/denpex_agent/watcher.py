@@ -197,26 +197,30 @@ class Watcher:
     def directories(self) -> set[str]:
         return set(self._dirs)
 
-    def mute(self, muted: bool) -> None:
+    def mute(self, muted: bool) -> bool:
         """Stop (True) or resume (False) reporting writes in the watched directories; names that
         appear, go or move are still reported. A busy file raises one event per write(2); while
         the tailer looks at every file every poll interval anyway, those events are only work.
         After resuming, the caller looks at every file once: a write made while muted raised no
-        event."""
+        event. False if a directory could not be watched again (gone meanwhile: worth a
+        discovery, which watches it anew if it is back)."""
         if muted == self.muted:
-            return
+            return True
         self.muted = muted
         mask = MUTED_MASK if muted else DIR_MASK
+        ok = True
         for directory, old in list(self._dirs.items()):
             wd = self._libc.add_watch(self.fd, os.fsencode(directory), mask)
             if wd < 0:
-                self.remove(directory)  # gone meanwhile: the next discovery watches it again
+                self.remove(directory)
+                ok = False
             elif wd != old:  # another directory under that name now: watch it, not the old one
                 self._wds.pop(old, None)
                 self._libc.rm_watch(self.fd, old)
                 self._dirs[directory] = wd
                 self._wds[wd] = directory
                 self._seen.clear()
+        return ok
 
     # -- waiting --------------------------------------------------------------------------------
 

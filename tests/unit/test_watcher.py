@@ -299,3 +299,23 @@ def test_a_file_written_without_pause_is_polled_without_write_events(tmp_path: P
         fh.write("step 41 loss 1.9\n")
     assert t.wait(2.0)  # and inotify wakes the reader again
     t.close()
+
+
+def test_muting_reports_a_directory_gone_meanwhile(tmp_path: Path, w: Watcher) -> None:
+    kept, gone = tmp_path / "kept", tmp_path / "gone"
+    kept.mkdir()
+    gone.mkdir()
+    assert w.add(str(kept.resolve())) and w.add(str(gone.resolve()))
+    gone.rmdir()
+    assert not w.mute(True)  # one could not be watched again: worth a discovery
+    assert w.muted and w.directories == {str(kept.resolve())}
+    (kept / "rank0.log").write_text("x\n")  # a new name is reported, its write is not
+    ch = w.wait(2.0)
+    assert ch.structure
+    with (kept / "rank0.log").open("a") as fh:
+        fh.write("y\n")
+    assert not w.wait(0.1)
+    assert w.mute(False) and not w.muted
+    with (kept / "rank0.log").open("a") as fh:
+        fh.write("z\n")
+    assert w.wait(2.0)
