@@ -3,7 +3,12 @@
 and write-to-delivery latency — all against the real Mosquitto on 127.0.0.1:1883.
 
 Usage: python bench/bench_agent.py [--size 512M] [--seed 42] [--follow-seconds 30] [--json OUT]
-       python bench/bench_agent.py --follow-only [--follow-seconds 30] [--agent-arg=--force-polling]
+       python bench/bench_agent.py --follow-only [--follow-seconds 30] [--agent-arg=--follow-mode --agent-arg=poll]
+       python bench/bench_agent.py --follow-only --baseline-tree DIR --rounds 3   (both agents at once)
+
+The agent run is always the one of a source tree (this checkout, or --baseline-tree's: e.g.
+``git archive <commit> agents daemon rules | tar -x -C DIR``), started with that tree's
+``agents`` and ``daemon`` on PYTHONPATH, never an installed ``denpex-agent``.
 
 1. Throughput: the agent starts on a training-like log of --size (bench/gen_training_log.py,
    the same file the orientation figures were measured on) and reads it from the beginning;
@@ -72,10 +77,15 @@ def proc_hwm_mb(pid: int) -> float:
     return float("nan")
 
 
-def agent_proc(job: str, logs: list[str], state: Path, log: Path, *extra: str) -> subprocess.Popen[bytes]:
-    exe = shutil.which("denpex-agent") or "denpex-agent"
+def agent_proc(
+    job: str, logs: list[str], state: Path, log: Path, *extra: str, tree: Path = REPO
+) -> subprocess.Popen[bytes]:
+    """The agent of the source tree ``tree`` (this checkout by default), not whatever
+    ``denpex-agent`` an installed package points at."""
     cmd = [
-        exe,
+        sys.executable,
+        "-c",
+        os.environ.get("BENCH_AGENT_MAIN", "import sys; from denpex_agent.cli import main; sys.exit(main())"),
         "--job",
         job,
         "--node",
@@ -87,6 +97,7 @@ def agent_proc(job: str, logs: list[str], state: Path, log: Path, *extra: str) -
     for pattern in logs:
         cmd += ["--logs", pattern]
     env = {k: v for k, v in os.environ.items() if not k.startswith("DENPEX_")}
+    env["PYTHONPATH"] = os.pathsep.join(str(tree / d) for d in ("agents", "daemon"))
     with log.open("ab") as out:
         return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
 
@@ -233,54 +244,136 @@ async def _subscribe(
 
 
 def phase_follow(
-    work: Path, seconds: float, gen: Any, extra: list[str] | None = None, idle_seconds: float = 10.0
+    work: Path,
+    seconds: float,
+    gen: Any,
+    extra: list[str] | None = None,
+    idle_seconds: float = 10.0,
+    tree: Path = REPO,
 ) -> dict[str, Any]:
+    return phase_follow_many(work, seconds, gen, extra, idle_seconds, [tree])[0]
+
+
+def phase_follow_many(
+    work: Path,
+    seconds: float,
+    gen: Any,
+    extra: list[str] | None,
+    idle_seconds: float,
+    trees: list[Path],
+) -> list[dict[str, Any]]:
+    """Phases 2 and 4 for one agent per tree, all following the same 8 files at the same time
+    (each with a job, a state and a subscriber of its own): on a shared machine every agent sees
+    the very same writes and the same load, which agents run one after the other do not."""
     logs = work / "live"
     shutil.rmtree(logs, ignore_errors=True)
     logs.mkdir()
     for r in range(8):
         (logs / f"rank{r}.log").write_text("")
-    job = f"bench-live-{uuid.uuid4().hex[:6]}"
-    arrivals: dict[str, float] = {}
-    ready, stop = threading.Event(), threading.Event()
-    sub = threading.Thread(target=lambda: asyncio.run(_subscribe(job, arrivals, ready, stop)), daemon=True)
-    sub.start()
-    ready.wait(10)
-    p = agent_proc(
-        job, [str(logs / "rank*.log")], work / "state-live", work / "agent-live.log", *(extra or [])
-    )
+    jobs = [f"bench-live-{uuid.uuid4().hex[:6]}" for _ in trees]
+    arrivals: list[dict[str, float]] = [{} for _ in trees]
+    stop = threading.Event()
+    procs = []
+    for i, (job, tree) in enumerate(zip(jobs, trees, strict=True)):
+        ready = threading.Event()
+        sub = threading.Thread(
+            target=lambda j=job, a=arrivals[i], r=ready: asyncio.run(_subscribe(j, a, r, stop)), daemon=True
+        )
+        sub.start()
+        ready.wait(10)
+        state = work / f"state-live-{i}"
+        shutil.rmtree(state, ignore_errors=True)
+        procs.append(
+            agent_proc(
+                job,
+                [str(logs / "rank*.log")],
+                state,
+                work / f"agent-live-{i}.log",
+                # an MQTT client id of its own (two agents with one id take the session from each other)
+                *(["--node", f"bench-{i}"] if len(trees) > 1 else []),
+                *(extra or []),
+                tree=tree,
+            )
+        )
     time.sleep(5.0)  # start-up done (imports, rules, connection, the first clock exchanges)
-    idle0, ti0 = proc_cpu(p.pid), time.monotonic()
+    idle0, ti0 = [proc_cpu(p.pid) for p in procs], time.monotonic()
     time.sleep(idle_seconds)  # the 8 files followed, nothing written
-    idle1, ti1 = proc_cpu(p.pid), time.monotonic()
-    cpu0, t0 = proc_cpu(p.pid), time.monotonic()
+    idle1, ti1 = [proc_cpu(p.pid) for p in procs], time.monotonic()
+    cpu0, t0 = [proc_cpu(p.pid) for p in procs], time.monotonic()
     writer = LiveWriter(logs, 8, 1000, seconds, gen)
     writer.start()
     writer.join()
-    cpu1, t1 = proc_cpu(p.pid), time.monotonic()
+    cpu1, t1 = [proc_cpu(p.pid) for p in procs], time.monotonic()
     time.sleep(2.0)
     stop.set()
-    hwm = proc_hwm_mb(p.pid)
-    p.send_signal(signal.SIGTERM)
-    p.wait(30)
-    lat = sorted(arrivals[m] - w for m, w in writer.markers.items() if m in arrivals)
-    missing = len(writer.markers) - len(lat)
-    return {
-        "files": 8,
-        "lines_per_s_per_file": 1000,
-        "seconds": t1 - t0,
-        "lines_written": writer.written,
-        "cpu_s": cpu1 - cpu0,
-        "core_percent": 100.0 * (cpu1 - cpu0) / (t1 - t0),
-        "idle_seconds": ti1 - ti0,
-        "idle_core_percent": 100.0 * (idle1 - idle0) / (ti1 - ti0),
-        "peak_rss_mb": hwm,
-        "latency_samples": len(lat),
-        "latency_missing": missing,
-        "latency_p50_ms": 1000 * statistics.median(lat) if lat else None,
-        "latency_p99_ms": 1000 * lat[min(len(lat) - 1, int(0.99 * len(lat)))] if lat else None,
-        "latency_max_ms": 1000 * lat[-1] if lat else None,
-    }
+    out = []
+    for i, p in enumerate(procs):
+        hwm = proc_hwm_mb(p.pid)
+        p.send_signal(signal.SIGTERM)
+        p.wait(30)
+        lat = sorted(arrivals[i][m] - w for m, w in writer.markers.items() if m in arrivals[i])
+        out.append(
+            {
+                "tree": str(trees[i]),
+                "files": 8,
+                "lines_per_s_per_file": 1000,
+                "seconds": t1 - t0,
+                "lines_written": writer.written,
+                "cpu_s": cpu1[i] - cpu0[i],
+                "core_percent": 100.0 * (cpu1[i] - cpu0[i]) / (t1 - t0),
+                "idle_seconds": ti1 - ti0,
+                "idle_core_percent": 100.0 * (idle1[i] - idle0[i]) / (ti1 - ti0),
+                "peak_rss_mb": hwm,
+                "latency_samples": len(lat),
+                "latency_missing": len(writer.markers) - len(lat),
+                "latency_p50_ms": 1000 * statistics.median(lat) if lat else None,
+                "latency_p99_ms": 1000 * lat[min(len(lat) - 1, int(0.99 * len(lat)))] if lat else None,
+                "latency_max_ms": 1000 * lat[-1] if lat else None,
+            }
+        )
+    return out
+
+
+def _print_follow(label: str, follow: dict[str, Any]) -> None:
+    print(
+        f"{label}follow 8 x 1,000 lines/s: {follow['core_percent']:.2f}% of one core over "
+        f"{follow['seconds']:.0f} s ({follow['lines_written']} lines); idle {follow['idle_core_percent']:.2f}%; "
+        f"latency p50 {follow['latency_p50_ms']:.1f} ms, p99 {follow['latency_p99_ms']:.1f} ms, "
+        f"max {follow['latency_max_ms']:.1f} ms over {follow['latency_samples']} lines "
+        f"({follow['latency_missing']} missing)",
+        flush=True,
+    )
+
+
+def follow_only(a: argparse.Namespace, gen: Any, work: Path) -> int:
+    """Phases 2 and 4, ``--rounds`` times. With ``--baseline-tree`` the baseline's agent and this
+    tree's follow the same files at the same time (started in turns: baseline first in odd
+    rounds), so both see the same writes and the same load. Best of N: the lowest CPU."""
+    trees = [("this", REPO)]
+    if a.baseline_tree:
+        trees.insert(0, ("baseline", Path(a.baseline_tree).resolve()))
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name, _ in trees}
+    for r in range(a.rounds):
+        order = trees if r % 2 == 0 else trees[::-1]
+        got = phase_follow_many(work, a.follow_seconds, gen, a.agent_arg, 10.0, [t for _, t in order])
+        for (name, _), follow in sorted(zip(order, got, strict=True), key=lambda x: x[0][0]):
+            runs[name].append(follow)
+            _print_follow(f"round {r + 1} {name:8s} ", follow)
+    print(f"agent args: {' '.join(a.agent_arg) or '-'}; trees: " + ", ".join(f"{n}={t}" for n, t in trees))
+    for name, _ in trees:
+        rs = runs[name]
+        cpu = sorted(f["core_percent"] for f in rs)
+        idle = sorted(f["idle_core_percent"] for f in rs)
+        p99 = sorted(f["latency_p99_ms"] or float("nan") for f in rs)
+        missing = sum(f["latency_missing"] for f in rs)
+        print(
+            f"{name:8s}: follow best {cpu[0]:.2f}% median {statistics.median(cpu):.2f}% of one core "
+            f"(all: {' / '.join(f'{c:.2f}' for c in cpu)}); idle best {idle[0]:.2f}%; "
+            f"p99 {' / '.join(f'{x:.0f}' for x in p99)} ms; {missing} missing"
+        )
+    if a.json:
+        Path(a.json).write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "follow": runs}, indent=1))
+    return 0
 
 
 def main() -> int:
@@ -297,29 +390,19 @@ def main() -> int:
         default=[],
         help="an extra argument for the followed agent (repeatable)",
     )
+    ap.add_argument(
+        "--baseline-tree",
+        metavar="DIR",
+        help="with --follow-only: also run the agent of this source tree (e.g. `git archive` of "
+        "an older commit), following the same files at the same time as this tree's",
+    )
+    ap.add_argument("--rounds", type=int, default=1, help="with --follow-only: rounds (best of N)")
     a = ap.parse_args()
     gen = _load("gen_training_log")
     work = Path(a.workdir)
     work.mkdir(parents=True, exist_ok=True)
     if a.follow_only:
-        follow = phase_follow(work, a.follow_seconds, gen, a.agent_arg)
-        print(
-            f"follow 8 x 1,000 lines/s: {follow['core_percent']:.2f}% of one core over {follow['seconds']:.0f} s "
-            f"({follow['lines_written']} lines; agent args {' '.join(a.agent_arg) or '-'})"
-        )
-        print(
-            f"idle, 8 files unwritten : {follow['idle_core_percent']:.2f}% of one core over {follow['idle_seconds']:.0f} s"
-        )
-        print(
-            f"latency write->delivered: p50 {follow['latency_p50_ms']:.1f} ms, p99 {follow['latency_p99_ms']:.1f} ms, "
-            f"max {follow['latency_max_ms']:.1f} ms over {follow['latency_samples']} lines "
-            f"({follow['latency_missing']} missing)"
-        )
-        if a.json:
-            Path(a.json).write_text(
-                json.dumps({"date": time.strftime("%Y-%m-%d"), "follow": follow}, indent=1)
-            )
-        return 0
+        return follow_only(a, gen, work)
     log_file = work / f"train-{a.size}-s{a.seed}.log"
     size = gen.parse_size(a.size)
     if not log_file.exists() or abs(log_file.stat().st_size - size) > size // 100:

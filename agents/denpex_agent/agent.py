@@ -325,6 +325,8 @@ class Agent:
                 timeout = min(timeout, last_discovery + cfg.discover_interval - time.monotonic())
             if stale:
                 timeout = min(timeout, self._views_at + cfg.heartbeat_interval / 2 - time.time())
+            if tailer.muted:  # files written without pause: looked at every poll_interval
+                timeout = min(timeout, self._polled_at + cfg.poll_interval - time.monotonic())
             if tailer.wait(max(timeout, 0.0)) and not stop.is_set():
                 # let the burst land; and a file written without pause is read every
                 # poll_interval at most, as when polling (one poll then takes it all)
@@ -493,8 +495,11 @@ class Agent:
                 self.metrics.connected.set(1)
                 self.metrics.batches.inc()
                 self.metrics.publish_latency.observe(max(time.time() - items[0].read_at, 0.0))
+                kinds: dict[str, int] = {}
                 for ev in part:
-                    self.metrics.events.labels(kind=ev.kind).inc()
+                    kinds[ev.kind] = kinds.get(ev.kind, 0) + 1
+                for kind, n in kinds.items():
+                    self.metrics.events.labels(kind=kind).inc(n)
                 self.published_events += len(part)
             marks = [mk for i in items for mk in i.marks]
             if self._receipts is not False:

@@ -142,6 +142,7 @@ class Tailer:
         self.roots_watched = False  # every glob's directories are watched: new files are heard of
         self.polls = 0  # calls of poll()
         self.looks = 0  # files looked at (fstat) by those calls
+        self.grew = False  # the latest poll read new bytes
 
     # -- warnings -------------------------------------------------------------------------------
 
@@ -222,6 +223,12 @@ class Tailer:
     def watching(self) -> bool:
         return self.watcher is not None
 
+    @property
+    def muted(self) -> bool:
+        """inotify does not report writes now: the files are being written without pause and
+        are looked at every poll interval (`poll`)."""
+        return self.watcher is not None and self.watcher.muted
+
     def wake(self) -> None:
         """Interrupt `wait` (any thread)."""
         if self.watcher is not None:
@@ -247,8 +254,10 @@ class Tailer:
     def due_in(self, poll_interval: float) -> float:
         """Seconds until a look is owed even if no event comes: ``poll_interval`` without
         inotify or for a file it cannot vouch for; else the next fold, flush or progress tip."""
-        if self.watcher is None:
+        if self.watcher is None or self.watcher.muted:
             return poll_interval
+        if self._look_all:  # writes were not reported for a while (see `poll`)
+            return 0.0
         now = self.clock()
         due = float("inf")
         for f in self.files:
@@ -414,14 +423,15 @@ class Tailer:
         where ``more`` says some file still has unread bytes."""
         events: list[Event] = []
         marks: list[Mark] = []
-        more = False
+        more = grew = False
         now = self._now = self.clock()
         self.polls += 1
         look_all = True
         changed: set[str] = set()
-        if self.watcher is not None:
-            self._take(self.watcher.read_events())
-            look_all, changed = self._look_all, self._changed
+        w = self.watcher
+        if w is not None:
+            self._take(w.read_events())
+            look_all, changed = self._look_all or w.muted, self._changed
             self._look_all, self._changed = False, set()
         for f in list(self.files):
             if not look_all and self._skip(f, changed, now):
@@ -458,6 +468,7 @@ class Tailer:
                 if f.pos < size:
                     more = True
                 if got:
+                    grew = True
                     f.last_growth = now
                     f.flushed = 0
                     self.stats.bytes_read += got
@@ -476,6 +487,15 @@ class Tailer:
             if f.draining and f.pos >= size and now - f.last_growth > DRAIN_GRACE_S:
                 self._close(f, events, marks)
         self.scanning = None
+        if w is not None:
+            if grew and self.grew and not w.muted:
+                # written since each of the last two looks: while that goes on every file is
+                # looked at every poll interval, and inotify's event per write(2) is only work
+                self.discover_wanted |= not w.mute(True)
+            elif not grew and w.muted:
+                self.discover_wanted |= not w.mute(False)
+                self._look_all = True  # a write made while muted raised no event: look again now
+        self.grew = grew
         return events, marks, more
 
     def _close_records(self, f: Followed, idle: float, events: list[Event], marks: list[Mark]) -> None:

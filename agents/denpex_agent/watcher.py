@@ -48,6 +48,8 @@ DIR_MASK = (
 )  # fmt: skip
 # a name appeared, went or moved: worth a discovery (a new file, a rotation)
 STRUCTURE = IN_CREATE | IN_DELETE | IN_MOVED_FROM | IN_MOVED_TO | IN_DELETE_SELF | IN_MOVE_SELF
+# while the tailer polls a busy directory's files anyway (`Watcher.mute`): names only, no writes
+MUTED_MASK = STRUCTURE | IN_ONLYDIR
 _EVENT = struct.Struct("iIII")
 
 # Filesystems where a write made on another node raises no inotify event on this one.
@@ -155,6 +157,7 @@ class Watcher:
         self._poller.register(self.fd, select.POLLIN)
         self._poller.register(self._wake_r, select.POLLIN)
         self.wakeups = 0  # waits that returned because of an event or a wake (not a timeout)
+        self.muted = False  # writes are not reported (see `mute`)
         self.closed = False
 
     # -- watches --------------------------------------------------------------------------------
@@ -166,7 +169,7 @@ class Watcher:
         """Watch ``directory`` (a resolved path); False if it cannot be watched."""
         if directory in self._dirs:
             return True
-        wd = self._libc.add_watch(self.fd, os.fsencode(directory), DIR_MASK)
+        wd = self._libc.add_watch(self.fd, os.fsencode(directory), MUTED_MASK if self.muted else DIR_MASK)
         if wd < 0:
             err = ctypes.get_errno()
             if err == errno.ENOSPC:
@@ -193,6 +196,31 @@ class Watcher:
     @property
     def directories(self) -> set[str]:
         return set(self._dirs)
+
+    def mute(self, muted: bool) -> bool:
+        """Stop (True) or resume (False) reporting writes in the watched directories; names that
+        appear, go or move are still reported. A busy file raises one event per write(2); while
+        the tailer looks at every file every poll interval anyway, those events are only work.
+        After resuming, the caller looks at every file once: a write made while muted raised no
+        event. False if a directory could not be watched again (gone meanwhile: worth a
+        discovery, which watches it anew if it is back)."""
+        if muted == self.muted:
+            return True
+        self.muted = muted
+        mask = MUTED_MASK if muted else DIR_MASK
+        ok = True
+        for directory, old in list(self._dirs.items()):
+            wd = self._libc.add_watch(self.fd, os.fsencode(directory), mask)
+            if wd < 0:
+                self.remove(directory)
+                ok = False
+            elif wd != old:  # another directory under that name now: watch it, not the old one
+                self._wds.pop(old, None)
+                self._libc.rm_watch(self.fd, old)
+                self._dirs[directory] = wd
+                self._wds[wd] = directory
+                self._seen.clear()
+        return ok
 
     # -- waiting --------------------------------------------------------------------------------
 

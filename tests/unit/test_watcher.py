@@ -264,3 +264,58 @@ def test_a_moved_directory_is_watched_anew(tmp_path: Path, w: Watcher) -> None:
     assert str((tmp_path / "b" / "x.log").resolve()) in _wait_for(
         w, str((tmp_path / "b" / "x.log").resolve())
     )
+
+
+def test_a_file_written_without_pause_is_polled_without_write_events(tmp_path: Path) -> None:
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    log = logs / "rank0.log"
+    log.write_text("")
+    (logs / "rank1.log").write_text("")
+    t = _tailer((str(logs / "rank*.log"),), tmp_path / "state", mounts=lambda: "/dev/sda1 / ext4 rw 0 0\n")
+    t.discover()
+    t.poll(1 << 20)
+    assert t.watcher is not None
+    with log.open("a", buffering=1) as fh:
+        for step in range(2):  # written since each of two looks: writes are no longer reported
+            fh.write(f"step {step} loss 2.0\n")
+            assert t.wait(2.0)
+            t.poll(1 << 20)
+        assert t.muted and t.due_in(0.15) == 0.15
+        for step in range(2, 40):  # no event per write; every file is looked at each poll
+            fh.write(f"step {step} loss 2.0\n")
+        assert not t.watcher.wait(0.05)
+        looks = t.looks
+        t.poll(1 << 20)
+        assert t.looks == looks + 2 and t.files[0].pos == log.stat().st_size
+        (logs / "rank2.log").write_text("")  # names are still reported while muted
+        assert t.wait(2.0) and t.discover_wanted
+        t.poll(1 << 20)  # nothing new: writes are reported again, and every file looked at
+        assert not t.muted and t.due_in(0.15) == 0.0
+        fh.write("step 40 loss 1.9\n")  # written between those two polls: not lost
+    t.poll(1 << 20)
+    assert t.files[0].pos == log.stat().st_size and t.due_in(0.15) > 0.0
+    with log.open("a") as fh:
+        fh.write("step 41 loss 1.9\n")
+    assert t.wait(2.0)  # and inotify wakes the reader again
+    t.close()
+
+
+def test_muting_reports_a_directory_gone_meanwhile(tmp_path: Path, w: Watcher) -> None:
+    kept, gone = tmp_path / "kept", tmp_path / "gone"
+    kept.mkdir()
+    gone.mkdir()
+    assert w.add(str(kept.resolve())) and w.add(str(gone.resolve()))
+    gone.rmdir()
+    assert not w.mute(True)  # one could not be watched again: worth a discovery
+    assert w.muted and w.directories == {str(kept.resolve())}
+    (kept / "rank0.log").write_text("x\n")  # a new name is reported, its write is not
+    ch = w.wait(2.0)
+    assert ch.structure
+    with (kept / "rank0.log").open("a") as fh:
+        fh.write("y\n")
+    assert not w.wait(0.1)
+    assert w.mute(False) and not w.muted
+    with (kept / "rank0.log").open("a") as fh:
+        fh.write("z\n")
+    assert w.wait(2.0)
