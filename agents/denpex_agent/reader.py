@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from denpex_agent.attribution import Attribution, Layout, attribute_path
 from denpex_agent.errors import DenpexAgentError, LayoutError
@@ -197,6 +198,7 @@ def scanner_for(
     job: str,
     agent: str,
     context_lines: int,
+    wants_context: Callable[[str, dict[str, Any]], bool] | None = None,
 ) -> LineScanner:
     year = time.gmtime(lf.mtime).tm_year
     source = Source(
@@ -210,7 +212,7 @@ def scanner_for(
         default_year=year,
         ref_epoch=lf.mtime,
     )
-    return LineScanner(matcher, source, context_lines=context_lines)
+    return LineScanner(matcher, source, context_lines=context_lines, wants_context=wants_context)
 
 
 def read_files(
@@ -222,10 +224,12 @@ def read_files(
     agent: str = "diagnose",
     context_lines: int = 100,
     on_bytes: Callable[[int], None] | None = None,
+    wants_context: Callable[[str, dict[str, Any]], bool] | None = None,
 ) -> Iterator[Event]:
-    """Stream events out of every file; a failing file is a warning, never the end of the read."""
+    """Stream events out of every file; a failing file is a warning, never the end of the read.
+    ``wants_context(role, fields)`` chooses the match events that carry context (default: all)."""
     for lf in files:
-        scanner = scanner_for(lf, matcher, job, agent, context_lines)
+        scanner = scanner_for(lf, matcher, job, agent, context_lines, wants_context)
         report.files += 1
         try:
             with lf.path.open("rb") as fh:

@@ -28,7 +28,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from denpex_agent.attribution import FILE_RANK_TAG, has_prefix, line_rank, stream_key, strip_prefix
+from denpex_agent.attribution import (
+    FILE_RANK_TAG,
+    has_prefix,
+    line_rank,
+    line_rank_prefixed,
+    stream_key,
+    strip_prefix,
+)
 from denpex_agent.events import Event, event_id
 from denpex_agent.masking import mask, mask_lines
 from denpex_agent.matcher import Hit, Matcher, line_bounds
@@ -109,8 +116,13 @@ class LineScanner:
         progress_interval: float = 0.0,
         clock: Callable[[], float] | None = None,
         max_line_bytes: int = 1 << 20,
+        wants_context: Callable[[str, dict[str, Any]], bool] | None = None,
     ) -> None:
         self.matcher = matcher
+        # which match events carry their context lines, by (role, fields); None: all of them.
+        # `diagnose` asks only for the context its engine keeps (building it is most of the
+        # cost of a match event); the agent sends it all.
+        self.wants_context = wants_context
         self.source = source
         self.context_lines = context_lines
         self.stride = stride
@@ -534,8 +546,8 @@ class LineScanner:
     ) -> Event:
         src = self.source
         line = hit.line
-        prefix_rank, prefix_local = line_rank(line)
-        rank = self._rank_of(line, prefix_rank, self._base + hit.start)
+        prefix_rank, prefix_local, prefixed = line_rank_prefixed(line)
+        rank = self._rank_of(prefix_rank, prefixed, self._base + hit.start)
         if rank is None and isinstance(fields.get("rank"), int):
             rank = fields["rank"]
         local_rank = prefix_local if prefix_local is not None else src.local_rank
@@ -575,7 +587,9 @@ class LineScanner:
             role=rule.role,
             category=rule.category,
             text=mask(text),
-            context=self._context(buf, hit.start),
+            context=self._context(buf, hit.start)
+            if self.wants_context is None or self.wants_context(rule.role, fields)
+            else [],
             fields=fields,
         )
 
@@ -619,12 +633,12 @@ class LineScanner:
 
     # -- ranks --------------------------------------------------------------------------------
 
-    def _rank_of(self, line: str, line_rank_: int | None, offset: int) -> int | None:
+    def _rank_of(self, line_rank_: int | None, prefixed: bool, offset: int) -> int | None:
         """A ``[rankN]:`` prefix beats the file's rank (merged outputs); the file's rank (its
         path, else the rank that ≥ 90 % of the ``[rankN]`` tags before this line in the file's
         first bytes name) beats a rank the text mentions. Decided by the bytes before the line
         alone, so the same however the file was read."""
-        if line_rank_ is not None and has_prefix(line):
+        if line_rank_ is not None and prefixed:
             return line_rank_
         if self.source.rank is not None:
             return self.source.rank
@@ -788,8 +802,8 @@ class LineScanner:
         src = self.source
         self._last_progress_offset = offset
         self.stats.progress += 1
-        prefix_rank, prefix_local = line_rank(hit.line)
-        rank = self._rank_of(hit.line, prefix_rank, offset)
+        prefix_rank, prefix_local, prefixed = line_rank_prefixed(hit.line)
+        rank = self._rank_of(prefix_rank, prefixed, offset)
         local = prefix_local if prefix_local is not None else src.local_rank
         if rank is None and local is not None:
             rank = self._mapped_rank(local, offset)

@@ -396,7 +396,12 @@ class Engine:
             verdict = "healthy"
         # a hang whose stuck collective began as a rank went to write a checkpoint: the write held it
         ckpt = None
-        if verdict == "failed" and explained is not None and explained["category"] == "hang" and self.save_marks:
+        if (
+            verdict == "failed"
+            and explained is not None
+            and explained["category"] == "hang"
+            and self.save_marks
+        ):
             spread = max((c.uncertainty_s for c in clocks.values()), default=0.0)
             ckpt = checkpoint_stall(self.save_marks, aggs, tracks, aligned, spread)
             if ckpt is not None:
@@ -485,7 +490,13 @@ def carried(ev: Event) -> Event:
 
 
 def _keeps_whole(ev: Event) -> bool:
-    return ev.role in ("root-cause", "symptom") or "signal" in ev.fields or "exitcode" in ev.fields
+    return keeps_context(ev.role, ev.fields)
+
+
+def keeps_context(role: str | None, fields: dict[str, Any]) -> bool:
+    """Whether the engine keeps a match event's context (see `_kept`), by its role and fields:
+    `diagnose` asks the reader for no other context."""
+    return role in ("root-cause", "symptom") or "signal" in fields or "exitcode" in fields
 
 
 def _kept(ev: Event) -> Event:
