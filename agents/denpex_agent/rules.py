@@ -54,13 +54,15 @@ import tomllib
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
-import regex
 
 from denpex_agent.diskcache import cache_dir, write_atomic
 from denpex_agent.errors import PatternTimeout, RuleError
+
+if TYPE_CHECKING:
+    import regex
 
 log = logging.getLogger(__name__)
 
@@ -506,17 +508,20 @@ class LazyPattern:
     see a candidate line in a given run, and compiling them all is most of the cost of loading
     the library once the TOML is parsed. Loading has checked the pattern with ``re`` already."""
 
-    __slots__ = ("_rx", "flags", "pattern")
+    __slots__ = ("_rx", "ignore_case", "pattern")
 
-    def __init__(self, pattern: str, flags: int) -> None:
+    def __init__(self, pattern: str, ignore_case: bool) -> None:
         self.pattern = pattern
-        self.flags = flags
+        self.ignore_case = ignore_case
         self._rx: regex.Pattern[str] | None = None
 
     def compiled(self) -> regex.Pattern[str]:
         rx = self._rx
         if rx is None:
-            rx = self._rx = regex.compile(self.pattern, self.flags)
+            import regex  # here: the parent of `diagnose -j N` never searches; its start is serial
+
+            flags = regex.VERSION0 | (regex.IGNORECASE if self.ignore_case else 0)
+            rx = self._rx = regex.compile(self.pattern, flags)
         return rx
 
     def search(self, *args: Any) -> regex.Match[str] | None:
@@ -538,7 +543,7 @@ def _compile(src: str, rid: str, pattern: str, ignore_case: bool) -> LazyPattern
         )
     if rx.search("") is not None:
         raise RuleError(src, rid, f"pattern {pattern!r} matches the empty line")
-    return LazyPattern(pattern, regex.VERSION0 | (regex.IGNORECASE if ignore_case else 0))
+    return LazyPattern(pattern, ignore_case)
 
 
 _EXAMPLE_KEYS = frozenset({"text", "fields", "source"})

@@ -365,11 +365,9 @@ class LineScanner:
             events.append(self._event(buf, hit, rule, fields, block_end, counter))
             spans.append((hit.start, block_end))
         if consumed > 0:
-            # samples come in buffer order: their own counter then runs forward once, and
-            # `_advance` takes the line count from where it stopped
-            ahead = _LineCounter(buf, self._line_no)
-            events.extend(self._sample_progress(buf, consumed, ahead))
-            self._advance(buf, consumed, ahead)
+            # samples and `_advance` count their lines from the hits' nearest positions
+            events.extend(self._sample_progress(buf, consumed, counter))
+            self._advance(buf, consumed, counter)
             if self._clock is not None:
                 events.extend(self.due_progress())
         self.stats.events += sum(1 for e in events if e.kind == "match")
@@ -830,22 +828,28 @@ class LineScanner:
 
 
 class _LineCounter:
-    """Line numbers for increasing buffer positions without recounting from the start."""
+    """Line numbers of positions in a buffer, each byte counted about once: the positions asked
+    for are kept (in increasing order) with their line numbers, and a position is counted from
+    the nearest one before it (hits, then samples and the buffer's end, share one pass)."""
 
-    __slots__ = ("_buf", "_count", "_pos")
+    __slots__ = ("_buf", "_counts", "_marks")
 
     def __init__(self, buf: bytes, first_line: int) -> None:
         self._buf = buf
-        self._pos = 0
-        self._count = first_line
+        self._marks = [0]
+        self._counts = [first_line]
 
     def line_at(self, pos: int) -> int:
-        if pos >= self._pos:
-            self._count += self._buf.count(b"\n", self._pos, pos)
-        else:
-            self._count -= self._buf.count(b"\n", pos, self._pos)
-        self._pos = pos
-        return self._count
+        marks = self._marks
+        last = marks[-1]
+        if pos >= last:
+            n = self._counts[-1] + self._buf.count(b"\n", last, pos)
+            if pos > last:
+                marks.append(pos)
+                self._counts.append(n)
+            return n
+        i = bisect.bisect_right(marks, pos) - 1
+        return self._counts[i] + self._buf.count(b"\n", marks[i], pos)
 
 
 def _line_end_after(buf: bytes, pos: int, limit: int) -> int:
