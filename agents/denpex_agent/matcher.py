@@ -158,16 +158,14 @@ class PatternDatabase:
             log.debug("pattern database cache not written error=%s", exc)
 
     def any_match(self, data: bytes) -> bool:
-        """Whether any pattern has a candidate match in ``data`` (stops at the first)."""
-        found = False
-
-        def stop(_rule: int, _end: int) -> bool:
-            nonlocal found
-            found = True
-            return True
-
-        self.scan(data, stop)
-        return found
+        """Whether any pattern has a candidate match in ``data`` (stops at the first; called for
+        every text that leaves the reader, so without a Python callback per call)."""
+        if self._db is not None:
+            try:
+                self._db.scan(data, match_event_handler=_stop_at_first)
+            except _hs.ScanTerminated:
+                return True
+        return any(rx.search(data) is not None for _, rx in self._slow)
 
     def scan(self, data: bytes, on_hit: Callable[[int, int], bool | None]) -> None:
         """Call ``on_hit(rule_index, end_offset)`` for candidate matches; a true return stops."""
@@ -188,6 +186,10 @@ class PatternDatabase:
 
 
 HAVE_HYPERSCAN = _hs is not None
+
+
+def _stop_at_first(_pid: int, _from: int, _to: int, _flags: int, _ctx: Any) -> bool:
+    return True
 
 
 def _bytes_regex(pattern: str, ignore_case: bool) -> re.Pattern[bytes]:
