@@ -116,10 +116,14 @@ def discover(
                         report.warn(
                             f"{Path(dirpath) / d}: a directory with a log file's name; searched as a folder"
                         )
+                # one Path and one relative name per folder, not per file (a job of thousands
+                # of files spent more time in pathlib than in reading their heads)
+                folder = Path(dirpath)
+                rel_dir = folder.relative_to(root).as_posix()
+                rel_prefix = prefix if rel_dir == "." else f"{prefix}{rel_dir}/"
                 for name in sorted(filenames):
                     if is_log_name(name):
-                        p = Path(dirpath) / name
-                        candidates.append((p, prefix + p.relative_to(root).as_posix()))
+                        candidates.append((folder / name, rel_prefix + name))
             if not candidates:
                 report.warn(f"{root}: no log files (*.log *.txt *.out *.err stdout stderr) found")
         elif several:
@@ -173,7 +177,7 @@ def _describe(path: Path, rel: str, layout: Layout | None, report: ReadReport) -
         who = attribute_path(rel)
     if b"\x00" in head:
         report.warn(f"{path}: holds binary data (NUL bytes); read as text")
-    else:
+    elif not head.isascii():  # ASCII is UTF-8: only other heads need decoding
         try:
             head.decode("utf-8")
         except UnicodeDecodeError as exc:
