@@ -482,13 +482,10 @@ def run_grep_like(tool: str, patterns: Path, job: dict[str, Any], out: Path, rep
 
 
 def denpexd_cmd() -> list[str]:
-    """The installed ``denpexd`` script next to this interpreter (no version-manager shim in between,
-    whose own processes would be counted), else the one on PATH, else ``python -m denpexd``."""
-    beside = Path(sys.executable).parent / "denpexd"
-    if beside.is_file() and os.access(beside, os.X_OK):
-        return [str(beside)]
-    exe = shutil.which("denpexd")
-    return [exe] if exe else [sys.executable, "-m", "denpexd"]
+    """``python -m denpexd`` with this interpreter: the ``denpexd`` this interpreter imports (a
+    ``PYTHONPATH`` pointing at a worktree is honoured), no version-manager shim in between, whose
+    own processes would be counted."""
+    return [sys.executable, "-m", "denpexd"]
 
 
 def denpexd_once(job: dict[str, Any], rules_dir: Path, out: Path, jobs: int = 1) -> dict[str, Any]:

@@ -184,7 +184,14 @@ def line_rank(line: str) -> tuple[int | None, int | None]:
     ``[default0]:[rank2]: ...`` (torchrun --tee around PyTorch's own prefix) gives (2, 0);
     `` 3: [rank2]: ...`` (srun --label around it) gives (2, None); `` 3: Traceback`` gives (3, None).
     """
+    rank, local, _prefixed = line_rank_prefixed(line)
+    return rank, local
+
+
+def line_rank_prefixed(line: str) -> tuple[int | None, int | None, bool]:
+    """`line_rank` and `has_prefix` of one line, its prefix parsed once."""
     m = _prefix(line)
+    prefixed = m is not None and (m.group("tags") or m.group("mpi") or m.group("hostrank")) is not None
     rank: int | None = None
     local: int | None = None
     if m:
@@ -210,7 +217,7 @@ def line_rank(line: str) -> tuple[int | None, int | None]:
         m2 = _INLINE_RANK_RE.search(rest, 0, 120)
         if m2:
             rank = int(m2.group("n") or m2.group("m"))
-    return rank, local
+    return rank, local, prefixed
 
 
 def stream_key(line: str) -> str:

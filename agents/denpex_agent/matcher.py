@@ -14,15 +14,14 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import orjson
 
+from denpex_agent.diskcache import cache_dir, write_atomic
 from denpex_agent.errors import PatternTimeout
 from denpex_agent.rules import LEVEL_MARKER, LEVEL_WORDS, ROLES, Rule, RuleSet
 
@@ -131,7 +130,7 @@ class PatternDatabase:
             )
 
     def _load(self, key: str, entries: Sequence[tuple[int, str, bool]]) -> bool:
-        path = _cache_dir() / f"{key}.hsdb"
+        path = cache_dir() / f"{key}.hsdb"
         try:
             raw = path.read_bytes()
             n = int.from_bytes(raw[:4], "big")
@@ -154,25 +153,19 @@ class PatternDatabase:
                 {"owner": self._owner, "slow": [i for i, _ in self._slow], "has_db": self._db is not None}
             )
             blob = _hs.dumpb(self._db) if self._db is not None else b""
-            d = _cache_dir()
-            d.mkdir(parents=True, exist_ok=True)
-            tmp = d / f".{key}.{os.getpid()}.tmp"
-            tmp.write_bytes(len(meta).to_bytes(4, "big") + meta + blob)
-            os.replace(tmp, d / f"{key}.hsdb")
+            write_atomic(cache_dir() / f"{key}.hsdb", len(meta).to_bytes(4, "big") + meta + blob)
         except Exception as exc:  # read-only home, full disk: just compile next time
             log.debug("pattern database cache not written error=%s", exc)
 
     def any_match(self, data: bytes) -> bool:
-        """Whether any pattern has a candidate match in ``data`` (stops at the first)."""
-        found = False
-
-        def stop(_rule: int, _end: int) -> bool:
-            nonlocal found
-            found = True
-            return True
-
-        self.scan(data, stop)
-        return found
+        """Whether any pattern has a candidate match in ``data`` (stops at the first; called for
+        every text that leaves the reader, so without a Python callback per call)."""
+        if self._db is not None:
+            try:
+                self._db.scan(data, match_event_handler=_stop_at_first)
+            except _hs.ScanTerminated:
+                return True
+        return any(rx.search(data) is not None for _, rx in self._slow)
 
     def scan(self, data: bytes, on_hit: Callable[[int, int], bool | None]) -> None:
         """Call ``on_hit(rule_index, end_offset)`` for candidate matches; a true return stops."""
@@ -195,9 +188,8 @@ class PatternDatabase:
 HAVE_HYPERSCAN = _hs is not None
 
 
-def _cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "denpex"
+def _stop_at_first(_pid: int, _from: int, _to: int, _flags: int, _ctx: Any) -> bool:
+    return True
 
 
 def _bytes_regex(pattern: str, ignore_case: bool) -> re.Pattern[bytes]:
@@ -214,8 +206,12 @@ def line_bounds(buf: bytes, pos: int, limit: int) -> tuple[int, int]:
 class Matcher:
     """The compiled form of a `RuleSet`: failure rules and progress rules, scanned separately."""
 
-    def __init__(self, rules: RuleSet, max_line_chars: int = 65536) -> None:
+    def __init__(self, rules: RuleSet, max_line_chars: int = 65536, *, release_gil: bool = True) -> None:
         self.ruleset = rules
+        # whether each verification gives the interpreter lock up while it runs: the agent's
+        # reader thread does (its event loop keeps running); `diagnose`, one thread per
+        # process, does not (under load, taking the lock back costs far more than the search)
+        self.release_gil = release_gil
         self.rules: list[Rule] = [r for r in rules if r.role != "progress"]
         self.progress_rules: list[Rule] = [r for r in rules if r.role == "progress"]
         self.max_line_chars = max_line_chars
@@ -250,7 +246,7 @@ class Matcher:
         """``rule.search(line)``; a pattern that times out on the line is counted (per rule, in
         `timeouts`), logged the first time, and taken as not matching."""
         try:
-            return rule.search(line)
+            return rule.search(line, self.release_gil)
         except PatternTimeout as exc:
             n = self.timeouts.get(rule.id, 0) + 1
             self.timeouts[rule.id] = n

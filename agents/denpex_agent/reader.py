@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from denpex_agent.attribution import Attribution, Layout, attribute_path
 from denpex_agent.errors import DenpexAgentError, LayoutError
@@ -115,10 +116,14 @@ def discover(
                         report.warn(
                             f"{Path(dirpath) / d}: a directory with a log file's name; searched as a folder"
                         )
+                # one Path and one relative name per folder, not per file (a job of thousands
+                # of files spent more time in pathlib than in reading their heads)
+                folder = Path(dirpath)
+                rel_dir = folder.relative_to(root).as_posix()
+                rel_prefix = prefix if rel_dir == "." else f"{prefix}{rel_dir}/"
                 for name in sorted(filenames):
                     if is_log_name(name):
-                        p = Path(dirpath) / name
-                        candidates.append((p, prefix + p.relative_to(root).as_posix()))
+                        candidates.append((folder / name, rel_prefix + name))
             if not candidates:
                 report.warn(f"{root}: no log files (*.log *.txt *.out *.err stdout stderr) found")
         elif several:
@@ -172,7 +177,7 @@ def _describe(path: Path, rel: str, layout: Layout | None, report: ReadReport) -
         who = attribute_path(rel)
     if b"\x00" in head:
         report.warn(f"{path}: holds binary data (NUL bytes); read as text")
-    else:
+    elif not head.isascii():  # ASCII is UTF-8: only other heads need decoding
         try:
             head.decode("utf-8")
         except UnicodeDecodeError as exc:
@@ -197,6 +202,7 @@ def scanner_for(
     job: str,
     agent: str,
     context_lines: int,
+    wants_context: Callable[[str, dict[str, Any]], bool] | None = None,
 ) -> LineScanner:
     year = time.gmtime(lf.mtime).tm_year
     source = Source(
@@ -210,7 +216,7 @@ def scanner_for(
         default_year=year,
         ref_epoch=lf.mtime,
     )
-    return LineScanner(matcher, source, context_lines=context_lines)
+    return LineScanner(matcher, source, context_lines=context_lines, wants_context=wants_context)
 
 
 def read_files(
@@ -222,10 +228,12 @@ def read_files(
     agent: str = "diagnose",
     context_lines: int = 100,
     on_bytes: Callable[[int], None] | None = None,
+    wants_context: Callable[[str, dict[str, Any]], bool] | None = None,
 ) -> Iterator[Event]:
-    """Stream events out of every file; a failing file is a warning, never the end of the read."""
+    """Stream events out of every file; a failing file is a warning, never the end of the read.
+    ``wants_context(role, fields)`` chooses the match events that carry context (default: all)."""
     for lf in files:
-        scanner = scanner_for(lf, matcher, job, agent, context_lines)
+        scanner = scanner_for(lf, matcher, job, agent, context_lines, wants_context)
         report.files += 1
         try:
             with lf.path.open("rb") as fh:

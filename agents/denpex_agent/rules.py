@@ -48,16 +48,24 @@ enum values, regexes that do not compile, unknown group names, dangling `related
 
 from __future__ import annotations
 
+import hashlib
+import logging
 import re
 import tomllib
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import regex
+import orjson
 
+from denpex_agent.diskcache import cache_dir, write_atomic
 from denpex_agent.errors import PatternTimeout, RuleError
+
+if TYPE_CHECKING:
+    import regex
+
+log = logging.getLogger(__name__)
 
 SCHEMA = 1
 SEVERITIES = ("info", "warning", "error", "critical")
@@ -160,7 +168,7 @@ class Rule:
     severity: str
     role: str
     patterns: tuple[str, ...]
-    regexes: tuple[regex.Pattern[str], ...]
+    regexes: tuple[LazyPattern, ...]
     ignore_case: bool
     fingerprint: str | None
     fold: str | None
@@ -182,12 +190,14 @@ class Rule:
     # a marker rule's announcement (`MARKERS`): its lines tell the stall watch what a pause means
     marker: str | None = None
 
-    def search(self, line: str) -> dict[str, int | float | str] | None:
+    def search(self, line: str, release_gil: bool = True) -> dict[str, int | float | str] | None:
         """Match one line; return the extracted fields ({} when none) or None. Raises
-        `PatternTimeout` when a pattern runs longer than PATTERN_TIMEOUT_S on it."""
+        `PatternTimeout` when a pattern runs longer than PATTERN_TIMEOUT_S on it. The search
+        releases the interpreter lock unless ``release_gil`` is false (a process with no other
+        thread to run: giving the lock up and taking it back costs more than most searches)."""
         for rx in self.regexes:
             try:  # positional: (string, pos, endpos, concurrent, partial, timeout) parse fastest
-                m = rx.search(line, 0, None, True, False, PATTERN_TIMEOUT_S)
+                m = rx.search(line, 0, None, release_gil, False, PATTERN_TIMEOUT_S)
             except TimeoutError as exc:
                 raise PatternTimeout(self.id, rx.pattern) from exc
             if m is not None:
@@ -314,12 +324,13 @@ def load_rules(path: str | Path | None = None) -> RuleSet:
 def _load_file(path: Path) -> tuple[list[Rule], list[Explanation]]:
     src = str(path)
     try:
-        with path.open("rb") as fh:
-            doc = tomllib.load(fh)
+        raw_bytes = path.read_bytes()
+        doc = _parse_toml(raw_bytes)
     except tomllib.TOMLDecodeError as exc:
         raise RuleError(src, None, f"invalid TOML: {exc}") from exc
-    except OSError as exc:
-        raise RuleError(src, None, f"cannot read: {exc.strerror}") from exc
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) else str(exc)
+        raise RuleError(src, None, f"cannot read: {reason}") from exc
     unknown = set(doc) - _FILE_KEYS
     if unknown:
         raise RuleError(src, None, f"unknown top-level key(s): {', '.join(sorted(unknown))}")
@@ -336,6 +347,39 @@ def _load_file(path: Path) -> tuple[list[Rule], list[Explanation]]:
         raise RuleError(src, None, "no [[rule]] tables")
     rules = [_build_rule(src, raw, default_category) for raw in raw_rules]
     return rules, [_build_explanation(src, raw, default_category) for raw in raw_diagnoses]
+
+
+def _parse_toml(data: bytes) -> Any:
+    """The TOML document in ``data``. Parsing is most of the cost of loading the library (the
+    parser is pure Python; every `diagnose` pays it before it reads a byte), so the parsed
+    document is cached on disk as JSON, keyed by the file's bytes; a document JSON cannot
+    carry exactly (a date) is not cached, and a missing or damaged cache only costs the parse.
+    Validation runs on the result either way."""
+    key = hashlib.sha256(b"toml-json-1\0" + data).hexdigest()
+    path = cache_dir() / f"rules-{key}.json"
+    try:
+        return orjson.loads(path.read_bytes())
+    except (OSError, orjson.JSONDecodeError):
+        pass
+    doc = tomllib.loads(data.decode("utf-8"))
+    try:
+        blob = orjson.dumps(doc)
+        if orjson.loads(blob) == doc and _same_types(orjson.loads(blob), doc):
+            write_atomic(path, blob)
+    except (OSError, TypeError, orjson.JSONEncodeError) as exc:
+        log.debug("rules cache not written error=%s", exc)
+    return doc
+
+
+def _same_types(a: Any, b: Any) -> bool:
+    """Whether two equal documents also agree on every value's type (1 == 1.0 == True)."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, dict):
+        return all(_same_types(a[k], b[k]) for k in a)
+    if isinstance(a, list):
+        return all(_same_types(x, y) for x, y in zip(a, b, strict=True))
+    return True
 
 
 def _build_explanation(src: str, raw: Any, default_category: Any) -> Explanation:
@@ -460,11 +504,36 @@ def _build_rule(src: str, raw: Mapping[str, Any], default_category: Any) -> Rule
     )
 
 
-def _compile(src: str, rid: str, pattern: str, ignore_case: bool) -> regex.Pattern[str]:
-    try:
-        re.compile(pattern)  # the syntax rules say `re`: the same text must compile there too
-        rx = regex.compile(pattern, regex.VERSION0 | (regex.IGNORECASE if ignore_case else 0))
-    except (re.error, regex.error) as exc:
+class LazyPattern:
+    """A rule pattern on the ``regex`` engine, compiled on its first search: most rules never
+    see a candidate line in a given run, and compiling them all is most of the cost of loading
+    the library once the TOML is parsed. Loading has checked the pattern with ``re`` already."""
+
+    __slots__ = ("_rx", "ignore_case", "pattern")
+
+    def __init__(self, pattern: str, ignore_case: bool) -> None:
+        self.pattern = pattern
+        self.ignore_case = ignore_case
+        self._rx: regex.Pattern[str] | None = None
+
+    def compiled(self) -> regex.Pattern[str]:
+        rx = self._rx
+        if rx is None:
+            import regex  # here: the parent of `diagnose -j N` never searches; its start is serial
+
+            flags = regex.VERSION0 | (regex.IGNORECASE if self.ignore_case else 0)
+            rx = self._rx = regex.compile(self.pattern, flags)
+        return rx
+
+    def search(self, *args: Any) -> regex.Match[str] | None:
+        rx = self._rx if self._rx is not None else self.compiled()
+        return rx.search(*args)
+
+
+def _compile(src: str, rid: str, pattern: str, ignore_case: bool) -> LazyPattern:
+    try:  # the syntax rules say `re`; `regex` in its VERSION0 mode takes what `re` takes
+        rx = re.compile(pattern, re.IGNORECASE if ignore_case else 0)
+    except re.error as exc:
         raise RuleError(src, rid, f"pattern {pattern!r} does not compile: {exc}") from exc
     bad = set(rx.groupindex) - FIELD_NAMES
     if bad:
@@ -475,7 +544,7 @@ def _compile(src: str, rid: str, pattern: str, ignore_case: bool) -> regex.Patte
         )
     if rx.search("") is not None:
         raise RuleError(src, rid, f"pattern {pattern!r} matches the empty line")
-    return rx
+    return LazyPattern(pattern, ignore_case)
 
 
 _EXAMPLE_KEYS = frozenset({"text", "fields", "source"})

@@ -30,7 +30,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from denpex_agent.attribution import FILE_RANK_TAG, has_prefix, line_rank, stream_key, strip_prefix
+from denpex_agent.attribution import (
+    FILE_RANK_TAG,
+    has_prefix,
+    line_rank,
+    line_rank_prefixed,
+    stream_key,
+    strip_prefix,
+)
 from denpex_agent.events import Event, event_id
 from denpex_agent.masking import mask, mask_lines
 from denpex_agent.matcher import Hit, Matcher, line_bounds
@@ -120,8 +127,13 @@ class LineScanner:
         progress_interval: float = 0.0,
         clock: Callable[[], float] | None = None,
         max_line_bytes: int = 1 << 20,
+        wants_context: Callable[[str, dict[str, Any]], bool] | None = None,
     ) -> None:
         self.matcher = matcher
+        # which match events carry their context lines, by (role, fields); None: all of them.
+        # `diagnose` asks only for the context its engine keeps (building it is most of the
+        # cost of a match event); the agent sends it all.
+        self.wants_context = wants_context
         self.source = source
         self.context_lines = context_lines
         self.stride = stride
@@ -371,11 +383,9 @@ class LineScanner:
             events.append(self._event(buf, hit, rule, fields, block_end, counter))
             spans.append((hit.start, block_end))
         if consumed > 0:
-            # samples come in buffer order: their own counter then runs forward once, and
-            # `_advance` takes the line count from where it stopped
-            ahead = _LineCounter(buf, self._line_no)
-            events.extend(self._sample_progress(buf, consumed, ahead))
-            self._advance(buf, consumed, ahead)
+            # samples and `_advance` count their lines from the hits' nearest positions
+            events.extend(self._sample_progress(buf, consumed, counter))
+            self._advance(buf, consumed, counter)
             if self._clock is not None:
                 events.extend(self.due_progress())
         self.stats.events += sum(1 for e in events if e.kind == "match")
@@ -582,8 +592,8 @@ class LineScanner:
     ) -> Event:
         src = self.source
         line = hit.line
-        prefix_rank, prefix_local = line_rank(line)
-        rank = self._rank_of(line, prefix_rank, self._base + hit.start)
+        prefix_rank, prefix_local, prefixed = line_rank_prefixed(line)
+        rank = self._rank_of(prefix_rank, prefixed, self._base + hit.start)
         if rank is None and isinstance(fields.get("rank"), int):
             rank = fields["rank"]
         local_rank = prefix_local if prefix_local is not None else src.local_rank
@@ -625,7 +635,9 @@ class LineScanner:
             role=rule.role,
             category=rule.category,
             text=mask(text),
-            context=self._context(buf, hit.start),
+            context=self._context(buf, hit.start)
+            if self.wants_context is None or self.wants_context(rule.role, fields)
+            else [],
             fields=fields,
         )
 
@@ -669,12 +681,12 @@ class LineScanner:
 
     # -- ranks --------------------------------------------------------------------------------
 
-    def _rank_of(self, line: str, line_rank_: int | None, offset: int) -> int | None:
+    def _rank_of(self, line_rank_: int | None, prefixed: bool, offset: int) -> int | None:
         """A ``[rankN]:`` prefix beats the file's rank (merged outputs); the file's rank (its
         path, else the rank that ≥ 90 % of the ``[rankN]`` tags before this line in the file's
         first bytes name) beats a rank the text mentions. Decided by the bytes before the line
         alone, so the same however the file was read."""
-        if line_rank_ is not None and has_prefix(line):
+        if line_rank_ is not None and prefixed:
             return line_rank_
         if self.source.rank is not None:
             return self.source.rank
@@ -838,8 +850,8 @@ class LineScanner:
         src = self.source
         self._last_progress_offset = offset
         self.stats.progress += 1
-        prefix_rank, prefix_local = line_rank(hit.line)
-        rank = self._rank_of(hit.line, prefix_rank, offset)
+        prefix_rank, prefix_local, prefixed = line_rank_prefixed(hit.line)
+        rank = self._rank_of(prefix_rank, prefixed, offset)
         local = prefix_local if prefix_local is not None else src.local_rank
         if rank is None and local is not None:
             rank = self._mapped_rank(local, offset)
@@ -866,22 +878,28 @@ class LineScanner:
 
 
 class _LineCounter:
-    """Line numbers for increasing buffer positions without recounting from the start."""
+    """Line numbers of positions in a buffer, each byte counted about once: the positions asked
+    for are kept (in increasing order) with their line numbers, and a position is counted from
+    the nearest one before it (hits, then samples and the buffer's end, share one pass)."""
 
-    __slots__ = ("_buf", "_count", "_pos")
+    __slots__ = ("_buf", "_counts", "_marks")
 
     def __init__(self, buf: bytes, first_line: int) -> None:
         self._buf = buf
-        self._pos = 0
-        self._count = first_line
+        self._marks = [0]
+        self._counts = [first_line]
 
     def line_at(self, pos: int) -> int:
-        if pos >= self._pos:
-            self._count += self._buf.count(b"\n", self._pos, pos)
-        else:
-            self._count -= self._buf.count(b"\n", pos, self._pos)
-        self._pos = pos
-        return self._count
+        marks = self._marks
+        last = marks[-1]
+        if pos >= last:
+            n = self._counts[-1] + self._buf.count(b"\n", last, pos)
+            if pos > last:
+                marks.append(pos)
+                self._counts.append(n)
+            return n
+        i = bisect.bisect_right(marks, pos) - 1
+        return self._counts[i] + self._buf.count(b"\n", marks[i], pos)
 
 
 def _line_end_after(buf: bytes, pos: int, limit: int) -> int:

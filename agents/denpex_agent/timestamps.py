@@ -15,6 +15,7 @@ file of one node is read the same way, so a consistent reading is what counts.
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 import time
@@ -65,6 +66,23 @@ def parse_timestamp(line: str, default_year: int, ref_epoch: float | None = None
     return ts if ts is not None and SANE_MIN <= ts < SANE_MAX else None
 
 
+@functools.lru_cache(maxsize=1024)
+def _iso_seconds(text: str, tz: str | None) -> float:
+    """Epoch seconds of ``YYYY-MM-DD?HH:MM:SS`` (as `_TS_RE` found it) in zone ``tz``. Cached: the
+    lines of a log share their second with their neighbours, and building the datetime is most
+    of the cost of a parse. Raises ValueError for a date that does not exist."""
+    dt = datetime(
+        int(text[0:4]),
+        int(text[5:7]),
+        int(text[8:10]),
+        int(text[11:13]),
+        int(text[14:16]),
+        min(int(text[17:19]), 59),
+        tzinfo=_tz(tz),
+    )
+    return dt.timestamp()
+
+
 def _parse(line: str, default_year: int, ref_epoch: float | None) -> float | None:
     m = _TS_RE.search(line, 0, HEAD_CHARS)
     if m is None:
@@ -72,16 +90,7 @@ def _parse(line: str, default_year: int, ref_epoch: float | None) -> float | Non
     try:
         g = m.group
         if g("y") is not None:
-            dt = datetime(
-                int(g("y")),
-                int(g("mo")),
-                int(g("d")),
-                int(g("h")),
-                int(g("mi")),
-                min(int(g("s")), 59),
-                tzinfo=_tz(g("tz")),
-            )
-            return dt.timestamp() + _frac(g("frac"))
+            return _iso_seconds(line[m.start("y") : m.end("s")], g("tz")) + _frac(g("frac"))
         if g("gmo") is not None:
             month, day = int(g("gmo")), int(g("gd"))
             hms = (int(g("gh")), int(g("gmi")), min(int(g("gs")), 59))

@@ -17,12 +17,9 @@ from denpex_agent.errors import LayoutError, RuleError
 from denpex_agent.matcher import Matcher
 from denpex_agent.reader import LogFile, NoLogFiles, ReadReport, discover, read_files
 from denpex_agent.rules import RuleSet, load_rules
-from denpexd import divergence, parallelread
-from denpexd.engine import Engine
+from denpexd import parallelread
+from denpexd.engine import Engine, keeps_context
 from denpexd.errors import DenpexdError
-from denpexd.htmlreport import render_html
-from denpexd.markdown import render_markdown
-from denpexd.report import render_text
 
 PROGRESS_MIN_BYTES = 64 << 20
 
@@ -71,9 +68,17 @@ def diagnose_paths(
             start_method=start_method,
         )
     else:
-        matcher = Matcher(rules)
+        matcher = Matcher(rules, release_gil=False)
         timeouts = matcher.timeouts
-        events = read_files(files, matcher, job_id, report, context_lines=context_lines, on_bytes=on_bytes)
+        events = read_files(
+            files,
+            matcher,
+            job_id,
+            report,
+            context_lines=context_lines,
+            on_bytes=on_bytes,
+            wants_context=keeps_context,
+        )
     for ev in events:
         engine.add(ev)
     if bar:
@@ -111,6 +116,8 @@ def compare_with_control(
     files: list[LogFile], control_files: list[LogFile], clock: dict[str, Any]
 ) -> dict[str, Any]:
     """The diagnosis's `divergence`: the failed run's files against the control's."""
+    from denpexd import divergence  # only with --control: its import is a fifth of diagnose's start
+
     control = divergence.read_control(
         divergence.file_sources(control_files), {lf.who.node for lf in control_files}
     )
@@ -194,7 +201,10 @@ def run(args: argparse.Namespace) -> int:
     except (LayoutError, NoLogFiles, ControlError) as exc:
         print(f"denpexd diagnose: {exc}", file=sys.stderr)
         return 2
+    # the renderers are imported when one is used: together they are a third of the start
     if html_path is not None:
+        from denpexd.htmlreport import render_html
+
         page = render_html(result).encode()
         try:
             Path(html_path).write_bytes(page)
@@ -206,8 +216,12 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.buffer.write(orjson.dumps(result, option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS))
         sys.stdout.buffer.write(b"\n")
     elif args.format == "markdown":
+        from denpexd.markdown import render_markdown
+
         sys.stdout.write(render_markdown(result))
     else:
+        from denpexd.report import render_text
+
         sys.stdout.write(render_text(result))
     sys.stdout.flush()
     return 0

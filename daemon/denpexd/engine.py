@@ -536,7 +536,13 @@ def carried(ev: Event) -> Event:
 
 
 def _keeps_whole(ev: Event) -> bool:
-    return ev.role in ("root-cause", "symptom") or "signal" in ev.fields or "exitcode" in ev.fields
+    return keeps_context(ev.role, ev.fields)
+
+
+def keeps_context(role: str | None, fields: dict[str, Any]) -> bool:
+    """Whether the engine keeps a match event's context (see `_kept`), by its role and fields:
+    `diagnose` asks the reader for no other context."""
+    return role in ("root-cause", "symptom") or "signal" in fields or "exitcode" in fields
 
 
 def may_initiate(ev: Event) -> bool:

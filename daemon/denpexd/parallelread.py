@@ -28,7 +28,7 @@ from denpex_agent.events import Event
 from denpex_agent.matcher import Matcher
 from denpex_agent.reader import LogFile, ReadReport, read_files
 from denpex_agent.rules import RuleSet
-from denpexd.engine import carried
+from denpexd.engine import carried, keeps_context
 
 BATCH_BYTES = 16 << 20  # a task's bytes: 16 MiB, about 0.1 CPU second of reading
 MIN_BATCH_BYTES = 1 << 20
@@ -87,7 +87,7 @@ _bytes_done: Any = None
 def _init_worker(rules: RuleSet, bytes_done: Any) -> None:
     global _matcher, _bytes_done
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
-    _matcher = Matcher(rules)
+    _matcher = Matcher(rules, release_gil=False)
     _bytes_done = bytes_done
 
 
@@ -107,7 +107,15 @@ def _read_task(files: list[LogFile], job: str, context_lines: int) -> TaskResult
     before = dict(_matcher.timeouts)
     events = [
         _as_tuple(carried(ev))
-        for ev in read_files(files, _matcher, job, report, context_lines=context_lines, on_bytes=_count_bytes)
+        for ev in read_files(
+            files,
+            _matcher,
+            job,
+            report,
+            context_lines=context_lines,
+            on_bytes=_count_bytes,
+            wants_context=keeps_context,
+        )
     ]
     timeouts = {r: n - before.get(r, 0) for r, n in _matcher.timeouts.items() if n != before.get(r, 0)}
     return events, report, timeouts

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import datetime
 from pathlib import Path
 
 import pytest
@@ -9,8 +10,9 @@ from hypothesis import strategies as st
 from denpex_agent.events import Event
 from denpex_agent.matcher import Matcher
 from denpex_agent.reader import ReadReport, discover, read_files
-from denpex_agent.rules import RuleSet
+from denpex_agent.rules import RuleSet, _parse_toml, load_rules
 from denpex_agent.scanner import LineScanner, Source
+from tests.conftest import UNIT_RULES
 
 LOG = (
     "2026-11-29 12:00:01,100 INFO [rank3] step 1 | loss 2.0\n"
@@ -268,6 +270,52 @@ def test_pattern_database_cache_round_trip_and_damage(
     for f in cached_files:
         f.write_bytes(b"\x00\x00\x00\x05garbage")
     assert [(h.rule.id, h.start) for h in Matcher(unit_rules).scan(data)] == fresh
+
+
+def test_parsed_rule_files_are_cached_and_a_damaged_cache_only_costs_the_parse(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    lib = tmp_path / "rules"
+    lib.mkdir()
+    (lib / "unit.toml").write_text(UNIT_RULES)
+
+    def shape(rules: RuleSet) -> list[tuple[object, ...]]:
+        return [(r.id, r.patterns, r.examples, r.counterexamples, r.severity) for r in rules]
+
+    fresh = shape(load_rules(lib))
+    cached = list((tmp_path / "cache" / "denpex").glob("rules-*.json"))
+    assert len(cached) == 1
+    assert shape(load_rules(lib)) == fresh
+    cached[0].write_bytes(b"{not json")
+    assert shape(load_rules(lib)) == fresh
+    # a value JSON cannot carry exactly (a TOML date) is parsed every time, never cached
+    (lib / "unit.toml").write_text(UNIT_RULES + "\n# touched\n")
+    dated = tmp_path / "dated.toml"
+    dated.write_text("when = 2026-12-01\n")
+    assert _parse_toml(dated.read_bytes()) == {"when": datetime.date(2026, 12, 1)}
+    assert len(list((tmp_path / "cache" / "denpex").glob("rules-*.json"))) == 1
+
+
+def test_rule_patterns_compile_at_their_first_search(unit_rules: RuleSet) -> None:
+    rule = unit_rules.get("python-traceback")
+    assert rule is not None
+    fresh = load_rules(Path(rule.source))
+    pattern = fresh.get("python-traceback").regexes[0]  # type: ignore[union-attr]
+    assert pattern._rx is None
+    assert fresh.get("python-traceback").search("Traceback (most recent call last):") == {}  # type: ignore[union-attr]
+    assert pattern._rx is not None
+
+
+def test_line_numbers_of_hits_and_samples_whatever_their_order(unit_matcher: Matcher) -> None:
+    lines = [
+        f"2026-11-29 12:00:{i % 60:02d},000 INFO [rank0] step {i} | loss 1.0" if i % 3 else "Killed"
+        for i in range(1, 400)
+    ]
+    data = ("\n".join(lines) + "\n").encode()
+    for sizes in (None, [333], [5, 4096]):
+        for ev in _scan(unit_matcher, data, sizes):
+            assert lines[ev.line_no - 1] == ev.text, (sizes, ev.line_no)
 
 
 def test_context_is_the_lines_right_before_the_event(unit_matcher: Matcher) -> None:
