@@ -358,19 +358,16 @@ class LineScanner:
                     rule, fields = best.rule, dict(best.fields)
                 elif exc_text:
                     fields["exception"] = exc_text[:300]
-            if rule.fold == "elastic-failure":
-                efold = self._fold_elastic(buf, block_end, cut, mode)
-                if efold is None:
+            if rule.fold in ("elastic-failure", "stalled-ranks"):  # a block that adds fields
+                added = (
+                    self._fold_elastic(buf, block_end, cut, mode)
+                    if rule.fold == "elastic-failure"
+                    else self._fold_stalled(buf, hit, cut, mode)
+                )
+                if added is None:
                     consumed = self._rewind(events, spans, hit.start)
                     break
-                block_end, extra = efold
-                fields.update(extra)
-            if rule.fold == "stalled-ranks":
-                sfold = self._fold_stalled(buf, hit, cut, mode)
-                if sfold is None:
-                    consumed = self._rewind(events, spans, hit.start)
-                    break
-                block_end, extra = sfold
+                block_end, extra = added
                 fields.update(extra)
             if rule.severity_level >= _ERROR:
                 stack_end = self._fold_cpp_stack(buf, block_end, cut, mode)

@@ -12,11 +12,12 @@ from hypothesis import strategies as st
 from denpex_agent.events import Event
 from denpex_agent.matcher import Matcher
 from denpex_agent.rules import RuleSet
-from denpex_agent.scanner import LineScanner, Source, missing_ranks, stall_fields
+from denpex_agent.scanner import LineScanner, missing_ranks, stall_fields
 from denpexd.analysis.hang import HANG_RULE, hang_suspect, unresolved_stalls
 from denpexd.analysis.tracks import Aggregate, NodeProgress, RankTrack, Tracks
 from denpexd.engine import Engine
 from tests.unit.test_engine import T0, ev, steps
+from tests.unit.test_scanner import _source
 
 HEAD = (
     "One or more tensors were submitted to be reduced, gathered or broadcasted by subset of ranks and are "
@@ -43,19 +44,6 @@ STALLED_RANKS = (
 
 def _ops(*ready: str) -> str:
     return ", ".join(f"allreduce.layer{i}.weight [ready ranks: {r}]" for i, r in enumerate(ready))
-
-
-def _source() -> Source:
-    return Source(
-        job="j",
-        agent="a",
-        node="n1",
-        rank=None,
-        local_rank=None,
-        file="f.log",
-        identity="id",
-        default_year=2026,
-    )
 
 
 def _scan(matcher: Matcher, data: bytes, sizes: list[int] | None = None) -> list[Event]:
