@@ -23,7 +23,7 @@ from denpex_agent.attribution import Attribution, Layout, attribute_path
 from denpex_agent.errors import DenpexAgentError, LayoutError
 from denpex_agent.events import Event, file_identity
 from denpex_agent.matcher import Matcher
-from denpex_agent.scanner import LineScanner, Source
+from denpex_agent.scanner import LineScanner, ScanStats, Source
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +68,17 @@ class ReadReport:
     def warn(self, message: str) -> None:
         self.warnings.append(message)
         log.warning("%s", message)
+
+    def add(self, part: ReadReport | ScanStats) -> None:
+        """Count in what one file's scan (`ScanStats`) or one worker's report read, its warnings
+        after ours."""
+        self.bytes += part.bytes
+        self.lines += part.lines
+        self.events += part.events
+        self.progress += part.progress
+        self.truncated_lines += part.truncated_lines
+        for w in part.warnings:
+            self.warn(w)
 
 
 def is_log_name(name: str) -> bool:
@@ -248,12 +259,6 @@ def read_files(
             report.warn(f"{lf.path}: read failed at offset {scanner.offset}: {exc.strerror or exc}")
         yield from scanner.finish()
         st = scanner.stats
-        report.bytes += st.bytes
-        report.lines += st.lines
-        report.events += st.events
-        report.progress += st.progress
-        report.truncated_lines += st.truncated_lines
-        for w in st.warnings:
-            report.warn(w)
+        report.add(st)
         if st.replaced_chars:
             report.warn(f"{lf.path}: {st.replaced_chars} undecodable byte(s) in matched lines replaced")

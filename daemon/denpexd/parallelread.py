@@ -168,13 +168,7 @@ def read_parallel(
             if nxt is not None:
                 pending.append(executor.submit(_read_task, nxt, job, context_lines))
             report.files += part.files
-            report.bytes += part.bytes
-            report.lines += part.lines
-            report.events += part.events
-            report.progress += part.progress
-            report.truncated_lines += part.truncated_lines
-            for w in part.warnings:
-                report.warn(w)
+            report.add(part)
             for rule_id, n in part_timeouts.items():
                 timeouts[rule_id] = timeouts.get(rule_id, 0) + n
             for values in events:
