@@ -530,13 +530,9 @@ def carried(ev: Event) -> Event:
     """An event without what `Engine.add` would drop unread: the context of a match whose
     aggregate keeps none (see `_kept`; the text stays whole, `add` reads it first). `diagnose -j N`
     workers send events in this form: a tenth of the bytes, the same diagnosis."""
-    if ev.kind != "match" or not ev.context or _keeps_whole(ev):
+    if ev.kind != "match" or not ev.context or may_initiate(ev):
         return ev
     return dataclasses.replace(ev, context=[])
-
-
-def _keeps_whole(ev: Event) -> bool:
-    return keeps_context(ev.role, ev.fields)
 
 
 def keeps_context(role: str | None, fields: dict[str, Any]) -> bool:
@@ -547,8 +543,9 @@ def keeps_context(role: str | None, fields: dict[str, Any]) -> bool:
 
 def may_initiate(ev: Event) -> bool:
     """Whether an event may be the initiator's own (a cause, a symptom, or a launcher's report of
-    an exit code or signal); the other initiators are inferred (a hang, a stall) and have none."""
-    return _keeps_whole(ev)
+    an exit code or signal), the events the engine keeps whole; the other initiators are inferred
+    (a hang, a stall) and have none."""
+    return keeps_context(ev.role, ev.fields)
 
 
 def _kept(ev: Event) -> Event:
@@ -556,7 +553,7 @@ def _kept(ev: Event) -> Event:
     the evidence), and a launcher's report of an exit code or signal (it may name a killed
     worker); of other collateral the start of its text and no context (memory: thousands of
     ranks report the same consequence)."""
-    if _keeps_whole(ev):
+    if may_initiate(ev):
         return ev
     if not ev.context and len(ev.text) <= KEPT_TEXT:
         return ev
