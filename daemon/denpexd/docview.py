@@ -39,6 +39,15 @@ def job_failure(d: dict[str, Any]) -> str | None:
     return None
 
 
+def checkpoint_stall_line(ckpt: dict[str, Any]) -> str:
+    """What `checkpoint_stall` says, in one sentence (it ends with a colon: the save line follows)."""
+    return (
+        f"the collective that timed out began {ckpt['collective_entered']} (timeout {ckpt['timeout_s']:g} s, "
+        f"{who(ckpt['waiting'])} waiting), as {who(ckpt)} announced a checkpoint save and logged no step "
+        "after it:"
+    )
+
+
 def last_line(text: str | None) -> str:
     lines = (text or "").strip().splitlines()
     return lines[-1] if lines else ""

@@ -22,6 +22,7 @@ from typing import Any
 
 from denpexd.docview import (
     chain_lag,
+    checkpoint_stall_line,
     collateral_by_rule,
     evidence_lines,
     job_failure,
@@ -300,11 +301,9 @@ def _trends(trends: list[dict[str, Any]]) -> list[str]:
 def _checkpoint_stall(ckpt: dict[str, Any] | None) -> list[str]:
     if not ckpt:
         return []
-    timeout = f"{ckpt['timeout_s']:g}"
+    line = checkpoint_stall_line(ckpt)
     body = [
-        f"The collective that timed out began {text(ckpt['collective_entered'])} (timeout "
-        f"{text(timeout)} s, {text(who(ckpt['waiting']))} waiting), as "
-        f"{text(who(ckpt))} announced a checkpoint save and logged no step after it:",
+        text(line[:1].upper() + line[1:]),
         "",
         f"> {text(ckpt['time'])} {span(ckpt['text'])}",
     ]

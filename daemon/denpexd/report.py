@@ -5,15 +5,10 @@ from __future__ import annotations
 import textwrap
 from typing import Any
 
-from denpexd.docview import chain_lag, job_failure
+from denpexd.docview import chain_lag, checkpoint_stall_line, job_failure, who
 
 EVIDENCE_LINES = 12
 DIVERGENT_RANKS_SHOWN = 8
-
-
-def _who(d: dict[str, Any]) -> str:
-    rank = d.get("rank")
-    return f"node {d['node']} rank {rank if rank is not None else '-'}"
 
 
 def _wrap(label: str, text: str) -> list[str]:
@@ -96,10 +91,10 @@ def _straggler(s: dict[str, Any]) -> str:
     if s.get("metric") == "step_time":
         since = f" since step {s['since_step']}" if s.get("since_step") is not None else ""
         return (
-            f"  {_who(s)}  own step time {s['ratio']:.3f}x its peers' median ({s['median_s']:.4f}s vs "
+            f"  {who(s)}  own step time {s['ratio']:.3f}x its peers' median ({s['median_s']:.4f}s vs "
             f"{s['typical_s']:.4f}s){since}, confidence {s['confidence']:.4f} over {s['samples']} samples"
         )
-    return f"  {_who(s)}  data_time {s['data_time_s']:.3f}s vs typical {s['typical_s']:.3f}s"
+    return f"  {who(s)}  data_time {s['data_time_s']:.3f}s vs typical {s['typical_s']:.3f}s"
 
 
 def _divergence(div: dict[str, Any] | None) -> list[str]:
@@ -116,13 +111,13 @@ def _divergence(div: dict[str, Any] | None) -> list[str]:
     if first is None:
         out.append("  none       every line's template occurs in the healthy run")
         return out
-    out.append(f"  first      {_who(first)}  at {first.get('time') or 'unknown time'}")
+    out.append(f"  first      {who(first)}  at {first.get('time') or 'unknown time'}")
     out.append(f"  where      {first['file']}:{first['line']}")
     out.append(f"  line       {first['text'][:200]}")
     per_rank = div.get("per_rank") or []
     out.append(f"  per rank   {len(per_rank)} stream(s), earliest first")
     for e in per_rank[:DIVERGENT_RANKS_SHOWN]:
-        out.append(f"    {e.get('time') or 'unknown time':<24}  {_who(e):<20}  {e['text'][:100]}")
+        out.append(f"    {e.get('time') or 'unknown time':<24}  {who(e):<20}  {e['text'][:100]}")
     if len(per_rank) > DIVERGENT_RANKS_SHOWN:
         out.append(f"    +{len(per_rank) - DIVERGENT_RANKS_SHOWN} more")
     return out
@@ -145,12 +140,12 @@ def render_text(d: dict[str, Any]) -> str:
     if ini and ini.get("kind") == "stall":
         out.append("")
         out.append(_stall_line(d["stall"]))
-        out.append(f"  suspect    {_who(ini)}: {ini['text'][:200]}  (confidence {ini['confidence']:.0%})")
+        out.append(f"  suspect    {who(ini)}: {ini['text'][:200]}  (confidence {ini['confidence']:.0%})")
     elif ini:
         conf = ini.get("confidence", 1.0)
         out.append("")
         out.append(
-            f"FIRST FAILURE  {_who(ini)}  at {ini.get('time') or 'unknown time'}  (confidence {conf:.0%})"
+            f"FIRST FAILURE  {who(ini)}  at {ini.get('time') or 'unknown time'}  (confidence {conf:.0%})"
         )
         out.append(f"  rule       {ini['rule']}  [{ini['category']}]")
         if ini.get("file"):
@@ -194,30 +189,26 @@ def render_text(d: dict[str, Any]) -> str:
         out.append("")
         out.append("OTHER CANDIDATES (too close to call by clock)")
         for c in others[:5]:
-            out.append(f"  {_who(c)}  {c['rule']}  at {c.get('time')}  confidence {c['confidence']:.0%}")
+            out.append(f"  {who(c)}  {c['rule']}  at {c.get('time')}  confidence {c['confidence']:.0%}")
     stall = d.get("stall")
     if stall and stall.get("last_steps"):
         out.append("")
         out.append(f"LAST STEPS  ({stall['ranks']} rank(s), the ones behind first)")
         for r in stall["last_steps"][:8]:
-            out.append(f"  {_who(r)}  step {r['step']:<8} {r['text'].strip()[:120]}")
+            out.append(f"  {who(r)}  step {r['step']:<8} {r['text'].strip()[:120]}")
     out.extend(_trends(d.get("trends") or []))
     ckpt = d.get("checkpoint_stall")
     if ckpt:
         out.append("")
-        out.append(
-            f"CHECKPOINT STALL  the collective that timed out began {ckpt['collective_entered']} "
-            f"(timeout {ckpt['timeout_s']:g} s, {_who(ckpt['waiting'])} waiting), as {_who(ckpt)} "
-            "announced a checkpoint save and logged no step after it:"
-        )
+        out.append(f"CHECKPOINT STALL  {checkpoint_stall_line(ckpt)}")
         out.append(f"  {ckpt['time']}  {ckpt['text'][:160]}")
     dups = d.get("duplicate_ranks") or []
     if dups:
         out.append("")
         out.append(f"DUPLICATE RANKS  {len(dups)} global rank(s) announced by more than one process")
         for dup in dups[:8]:
-            who = ", ".join(_who(c) for c in dup["claimed_by"])
-            out.append(f"  global rank {dup['rank']:<6} announced by {who}")
+            claimants = ", ".join(who(c) for c in dup["claimed_by"])
+            out.append(f"  global rank {dup['rank']:<6} announced by {claimants}")
     stragglers = d.get("stragglers") or []
     if stragglers:
         out.append("")
