@@ -19,6 +19,7 @@ stopped, or is, in that collective.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 
 from denpex_agent.rules import SEVERITIES
 from denpexd.analysis.story import MAX_CANDIDATES_SHOWN, Candidate
@@ -95,8 +96,7 @@ def _named_without_log(
     if any(hints.get(r, 0) == top for r in logged if r is not None):
         return None  # a rank we follow is named as often: the ordering below decides
     named = sorted(r for r, n in hints.items() if n == top)
-    nodes = {t.node for t in tracks.values()}
-    node = next(iter(nodes)) if len(nodes) == 1 else ""
+    node = _only_node(tracks.values())
     return [
         Candidate(node, r, HANG_RULE, "hang", None, None, None, "hang") for r in named[:MAX_CANDIDATES_SHOWN]
     ], len(named)
@@ -142,9 +142,14 @@ def _absent(ranks: list[RankTrack], loud: set[tuple[str, int]]) -> tuple[list[Ca
     waiting = len(loud)
     if not missing or 2 * len(missing) > waiting:
         return [], 0
-    nodes = {t.node for t in ranks}
-    node = next(iter(nodes)) if len(nodes) == 1 else ""
+    node = _only_node(ranks)
     return [
         Candidate(node, r, HANG_RULE, "hang", None, None, None, "hang")
         for r in missing[:MAX_CANDIDATES_SHOWN]
     ], len(missing)
+
+
+def _only_node(tracks: Iterable[RankTrack]) -> str:
+    """The node of a suspect we have no log of: the job's only node, else unknown ("")."""
+    nodes = {t.node for t in tracks}
+    return next(iter(nodes)) if len(nodes) == 1 else ""
