@@ -42,34 +42,27 @@ CORPUS = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "public"
 CONFIDENT = 0.6
 
 
-DIMENSIONS = ("initiator", "category", "verdict")  # a miss's reason starts with its dimension
+DIMENSIONS = ("initiator", "category", "verdict")
 
 
 @dataclass
 class Score:
     cases: int = 0
-    initiator_right: int = 0
     initiator_scored: int = 0
-    category_right: int = 0
-    verdict_right: int = 0
     confident_wrong: int = 0
     misses: list[str] = field(default_factory=list)
-    right: dict[str, list[str]] = field(default_factory=lambda: {d: [] for d in DIMENSIONS})
+    right: dict[str, list[str]] = field(default_factory=lambda: {d: [] for d in DIMENSIONS})  # cases
 
     def as_dict(self) -> dict[str, Any]:
         def pct(a: int, b: int) -> float:
             return round(100.0 * a / b, 1) if b else 100.0
 
-        return {
-            "cases": self.cases,
-            "initiator_pct": pct(self.initiator_right, self.initiator_scored),
-            "initiator": f"{self.initiator_right}/{self.initiator_scored}",
-            "category_pct": pct(self.category_right, self.cases),
-            "category": f"{self.category_right}/{self.cases}",
-            "verdict_pct": pct(self.verdict_right, self.cases),
-            "verdict": f"{self.verdict_right}/{self.cases}",
-            "confident_wrong": self.confident_wrong,
-        }
+        out: dict[str, Any] = {"cases": self.cases}
+        for dim in DIMENSIONS:
+            n, of = len(self.right[dim]), self.initiator_scored if dim == "initiator" else self.cases
+            out[f"{dim}_pct"], out[dim] = pct(n, of), f"{n}/{of}"
+        out["confident_wrong"] = self.confident_wrong
+        return out
 
 
 def said(doc: dict[str, Any]) -> tuple[int | None, float, str | None]:
@@ -121,24 +114,20 @@ def score(corpus: Path) -> tuple[Score, list[dict[str, Any]]]:
             total.initiator_scored += 1
             want = None if job_scope else truth["initiator_rank"]
             if rank == want:
-                total.initiator_right += 1
+                total.right["initiator"].append(case.name)
             else:
                 why.append(f"initiator {rank} (confidence {confidence:.2f}), truth {want}")
         if job_scope and rank is not None and confidence >= CONFIDENT:
             total.confident_wrong += 1
             why.append("a confident rank where no single rank broke")
         if category == truth["category"]:
-            total.category_right += 1
+            total.right["category"].append(case.name)
         else:
             why.append(f"category {category}, truth {truth['category']}")
         if doc.get("verdict") == truth["verdict"]:
-            total.verdict_right += 1
+            total.right["verdict"].append(case.name)
         else:
             why.append(f"verdict {doc.get('verdict')}, truth {truth['verdict']}")
-        for dim in DIMENSIONS:  # the initiator counts where it is scored only
-            scored = dim != "initiator" or job_scope or (knowable and truth["initiator_rank"] is not None)
-            if scored and not any(w.startswith(dim) for w in why):
-                total.right[dim].append(case.name)
         if why:
             total.misses.append(f"{case.name}: {'; '.join(why)}  [{truth['source']}]")
         rows.append({"case": case.name, "rank": rank, "confidence": confidence, "category": category,
