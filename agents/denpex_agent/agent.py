@@ -101,6 +101,7 @@ class _FileView:
     pos: int
     line_no: int
     last_ts: float | None
+    quiet_since: float | None  # `LineScanner.quiet_since`: when its last step line was logged, at most
     lag: int
 
 
@@ -353,6 +354,7 @@ class Agent:
                     f.pos,
                     f.scanner.line_no,
                     f.scanner.last_ts(),
+                    f.scanner.quiet_since(),
                     self.tailer.file_lag(f),
                 )
             )
@@ -396,6 +398,8 @@ class Agent:
         beats: list[Event] = []
         for v in self._views:
             fields: dict[str, Any] = {"agent_time": now, "lag_bytes": v.lag}
+            if v.quiet_since is not None:
+                fields["quiet_since"] = v.quiet_since
             if busy_s >= self.cfg.slow_scan_warning:
                 fields["scan_busy_s"] = round(busy_s, 3)
             if est is not None:

@@ -21,7 +21,7 @@ from typing import Any
 
 from denpex_agent.attribution import Attribution, Layout, attribute_path
 from denpex_agent.errors import DenpexAgentError, LayoutError
-from denpex_agent.events import Event, file_identity
+from denpex_agent.events import Event, event_id, file_identity
 from denpex_agent.matcher import Matcher
 from denpex_agent.scanner import LineScanner, ScanStats, Source
 
@@ -230,6 +230,31 @@ def scanner_for(
     return LineScanner(matcher, source, context_lines=context_lines, wants_context=wants_context)
 
 
+def log_end(scanner: LineScanner, identity: str, job: str, agent: str) -> Event | None:
+    """A read file's last word on time, as the agent's heartbeats say it of a followed file: its
+    newest timestamp (the event's ``ts``) and, when it logged steps, ``quiet_since`` (from when it
+    logged none). None when the file has no timestamp."""
+    last = scanner.last_ts()
+    if last is None:
+        return None
+    src = scanner.source
+    quiet = scanner.quiet_since()
+    return Event(
+        id=event_id(agent, identity, scanner.offset, "heartbeat"),
+        kind="heartbeat",
+        job=job,
+        node=src.node,
+        rank=src.rank,
+        local_rank=src.local_rank,
+        file=src.file,
+        offset=scanner.offset,
+        line_no=scanner.line_no,
+        ts=last,
+        ts_source="line",
+        fields={} if quiet is None else {"quiet_since": quiet},
+    )
+
+
 def read_files(
     files: Iterable[LogFile],
     matcher: Matcher,
@@ -258,6 +283,9 @@ def read_files(
         except OSError as exc:
             report.warn(f"{lf.path}: read failed at offset {scanner.offset}: {exc.strerror or exc}")
         yield from scanner.finish()
+        end = log_end(scanner, lf.identity, job, agent)
+        if end is not None:
+            yield end
         st = scanner.stats
         report.add(st)
         if st.replaced_chars:

@@ -51,6 +51,7 @@ MAX_FOLD_LINES = 400
 MAX_CARRY = 512 * 1024
 TRUNCATED_MARKER = b" [denpex: line truncated]"
 TS_LOOKBACK_LINES = 64
+QUIET_WINDOW = 64 * 1024  # the processed bytes `quiet_since` looks at (the newest ones)
 RANK_MAP_WINDOW = 1024  # bytes before `global_ranks=[...]` to look for its `local_ranks=[...]`
 NEIGHBOUR_LINES = 20  # lines before an unprefixed record that may lend it their rank
 HEAD_BYTES = 64 * 1024  # `[rankN]` tags in a file's first bytes tell whose file it is
@@ -166,6 +167,7 @@ class LineScanner:
         self._clock = clock
         self._progress_seen_upto = start_offset
         self._last_emit = -1e18
+        self._quiet: tuple[int, float | None] = (-1, None)  # (offset it was computed at, value)
 
     def prime(self, before: bytes, head: bytes = b"") -> None:
         """Resume after a restart: the bytes just before the start offset give context lines
@@ -204,6 +206,45 @@ class LineScanner:
             if ts is not None:
                 self._last_ts = ts
         return self._last_ts
+
+    def quiet_since(self) -> float | None:
+        """From when, by the file's own clock, it has logged no step line: the timestamp of the
+        first line at or after its last step line (a step line without a time of its own is
+        dated by the next line that has one), looked for in the newest `QUIET_WINDOW` processed
+        bytes; when the window holds no step line but the file logged some before it, the
+        window's first timestamp. None when the file never logged a step, or no time follows its
+        last one.
+
+        It bounds the last step's time from above, so a silence measured from it (to `last_ts`)
+        is never longer than the truth; and it depends on the processed bytes alone, not on how
+        they were read, so the agent's heartbeats and `diagnose` end with the same value."""
+        if self.sampled_bucket < 0:  # no step line yet: the first one is always a sample
+            return None
+        if self._quiet[0] == self._base:
+            return self._quiet[1]
+        tail = self._tail
+        window = tail[-QUIET_WINDOW:]
+        if len(tail) > QUIET_WINDOW:
+            window = window[window.find(b"\n") + 1 :]
+        last = None
+        for size in (1024, 8192, len(window)):
+            last = self.matcher.last_progress(window, max(len(window) - size, 0), len(window))
+            if last is not None or size >= len(window):
+                break
+        pos = window.rfind(b"\n", 0, last.start) + 1 if last is not None else 0
+        found = None
+        for _ in range(TS_LOOKBACK_LINES):
+            if pos >= len(window):
+                break
+            end = window.find(b"\n", pos)
+            end = len(window) if end < 0 else end
+            seg = window[pos : min(end, pos + 200)].decode("utf-8", "replace")
+            found = parse_timestamp(seg, self.source.default_year, self.source.ref_epoch)
+            if found is not None:
+                break
+            pos = end + 1
+        self._quiet = (self._base, found)
+        return found
 
     def due_progress(self) -> list[Event]:
         """Live tips: once per interval, and only when bytes arrived since the last look, the

@@ -48,6 +48,16 @@ def checkpoint_stall_line(ckpt: dict[str, Any]) -> str:
     )
 
 
+def logged_stall_line(quiet: dict[str, Any]) -> str:
+    """What `logged_stall` says, in one sentence."""
+    silent = float(quiet["silent_s"])
+    span = f"{silent / 3600:.1f} h" if silent >= 5400 else f"{silent / 60:.0f} min"
+    return (
+        f"no rank logged a step after {quiet['since']}, yet the logs went on until {quiet['until']} "
+        f"({span}; stalled beyond {quiet['threshold_s']:g} s)"
+    )
+
+
 def last_line(text: str | None) -> str:
     lines = (text or "").strip().splitlines()
     return lines[-1] if lines else ""

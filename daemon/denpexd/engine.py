@@ -35,6 +35,7 @@ from denpexd.analysis.fingerprints import LOSS_SCALE_DROPS_DEGRADED, nan_fingerp
 from denpexd.analysis.hang import HANG_RULE, hang_suspect, unresolved_stalls
 from denpexd.analysis.identity import DUPLICATE_RULE, Claims, add_claim, duplicate_ranks
 from denpexd.analysis.matches import matches
+from denpexd.analysis.quiet import LogTimes, logged_stall, note_log_time, step_interval
 from denpexd.analysis.scope import job_wide
 from denpexd.analysis.story import KILLED_RULE, MAX_CANDIDATES_SHOWN, candidates, rank_candidates, witnesses
 from denpexd.analysis.stragglers import STRAGGLER_RULE, stragglers
@@ -54,6 +55,7 @@ from denpexd.analysis.tracks import (
 )
 from denpexd.analysis.trends import scale_fall, step_at, trends
 from denpexd.clock import ClockEstimate, align
+from denpexd.stall import STALL_RULE
 
 ECHO = "\x1fecho"  # the aggregate key suffix of a launcher's echoes of a rule
 
@@ -97,6 +99,7 @@ class Engine:
         self.curves: dict[str, StepMax] = {}  # loss, grad norm: the largest value per step
         self.min_scale: float | None = None  # the smallest loss scale any line reported
         self.scale_levels: dict[float, Event] = {}  # each loss scale reported -> its first line
+        self.log_times: LogTimes = {}  # each node's newest timestamp and quiet_since (heartbeats)
         self._trend_cache: tuple[Any, list[dict[str, Any]]] | None = None
         self.events_seen = 0
         # rule events per (node, rank) of ranks without a track (their tracks count the others)
@@ -124,6 +127,8 @@ class Engine:
                 cur = self.agent_offsets.get(ev.node)
                 if cur is None or (cand[1], cand[0]) < (cur[1], cur[0]):
                     self.agent_offsets[ev.node] = cand
+            if ev.ts.__class__ is float:
+                note_log_time(self.log_times, ev.node, ev.ts, ev.fields.get("quiet_since"))
             return
         rule = ev.rule
         if rule is None:
@@ -411,6 +416,15 @@ class Engine:
         collapsed = next((t for t in trend if t["kind"] == "collapse"), None)
         # two processes took the same global rank: the launch itself is wrong, whatever followed
         dups = duplicate_ranks(self.rank_claims, aligned, failure_start)
+        finished = self._finished(tracks)
+        # no error, but the logs went on long after the last step: stuck without a word
+        quiet = (
+            logged_stall(
+                self.log_times, aligned, step_interval(p.curve() for p in self.progress.values()), finished
+            )
+            if not failing and collapsed is None
+            else None
+        )
         if dups:
             verdict = "failed"
             explained = root_cause(rules, DUPLICATE_RULE, "configuration")
@@ -420,6 +434,9 @@ class Engine:
         elif collapsed is not None:
             verdict = "failed"
             explained = root_cause(rules, collapsed["rule"], "numerical-instability")
+        elif quiet is not None:
+            verdict = "failed"
+            explained = root_cause(rules, STALL_RULE, "hang")
         elif slow or trend or drops_degrade:
             verdict = "degraded"
             if trend:
@@ -459,7 +476,12 @@ class Engine:
             if failing
             else []
         )
-        job_scope = shared is not None or alike or bool(dups) or (collapsed is not None and not failing)
+        job_scope = (
+            shared is not None
+            or alike
+            or bool(dups)
+            or (not failing and (collapsed is not None or quiet is not None))
+        )
         out: dict[str, Any] = {
             "job": self.job,
             "verdict": verdict,
@@ -475,10 +497,11 @@ class Engine:
             "evidence": evidence(initiator[0]) if initiator else None,
             "duplicate_ranks": dups,
             "checkpoint_stall": ckpt,
+            "logged_stall": quiet,
             "chain": chain(shown[0], aggs, aligned, self.progress) if shown else None,
             "stragglers": slow,
             "trends": trend,
-            "finished": self._finished(tracks),
+            "finished": finished,
             "loss_scale_drops": drops,
             "loss_scale_min": self.min_scale,
             "ranks": rank_table(tracks, aligned, self.rank_events),

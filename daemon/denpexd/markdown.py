@@ -27,6 +27,7 @@ from denpexd.docview import (
     evidence_lines,
     job_failure,
     last_line,
+    logged_stall_line,
     offset,
     prose,
     rank_ranges,
@@ -298,6 +299,13 @@ def _trends(trends: list[dict[str, Any]]) -> list[str]:
     return _section("Trends (against the job's own history)", table(head, rows) if rows else [])
 
 
+def _logged_stall(quiet: dict[str, Any] | None) -> list[str]:
+    if not quiet:
+        return []
+    line = logged_stall_line(quiet)
+    return _section("Stalled without an error", [text(line[:1].upper() + line[1:])])
+
+
 def _checkpoint_stall(ckpt: dict[str, Any] | None) -> list[str]:
     if not ckpt:
         return []
@@ -485,6 +493,7 @@ def render_markdown(d: dict[str, Any]) -> str:
     out += _stall(d.get("stall"))
     out += _trends(d.get("trends") or [])
     out += _checkpoint_stall(d.get("checkpoint_stall"))
+    out += _logged_stall(d.get("logged_stall"))
     out += _duplicates(d.get("duplicate_ranks") or [])
     out += _stragglers(d.get("stragglers") or [])
     out += _not_finished(d)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import textwrap
 from typing import Any
 
-from denpexd.docview import chain_lag, checkpoint_stall_line, job_failure, who
+from denpexd.docview import chain_lag, checkpoint_stall_line, job_failure, logged_stall_line, who
 
 EVIDENCE_LINES = 12
 DIVERGENT_RANKS_SHOWN = 8
@@ -202,6 +202,10 @@ def render_text(d: dict[str, Any]) -> str:
         out.append("")
         out.append(f"CHECKPOINT STALL  {checkpoint_stall_line(ckpt)}")
         out.append(f"  {ckpt['time']}  {ckpt['text'][:160]}")
+    quiet = d.get("logged_stall")
+    if quiet:
+        out.append("")
+        out.append(f"STALLED  {logged_stall_line(quiet)}")
     dups = d.get("duplicate_ranks") or []
     if dups:
         out.append("")
