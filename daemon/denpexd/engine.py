@@ -388,7 +388,8 @@ class Engine:
             pool, tied = hang_suspect(aggs, tracks, aligned)
         if failing and not pool:
             pool = witnesses(failing, tracks, aligned, nodes)
-        ranked = rank_candidates(pool, clocks, tied, weak=weak, generic=generic)
+        seen = {(n, r) for n, r in tracks if r is not None} | {(n, r) for n, r, _ in aggs if r is not None}
+        ranked = rank_candidates(pool, clocks, tied, weak=weak, generic=generic, lone=len(seen) <= 1)
         initiator = ranked[0] if ranked else None
         erring = {(node, rank) for (node, rank, _), a in aggs.items() if rank is not None and sev(a) >= ERROR}
         # the failure every rank shares, when no single rank broke first

@@ -19,7 +19,9 @@ The rule of choice:
    combined clock uncertainty (1 ms on the same node, at least 1 ms); a rank without a time
    weighs 0 (all alike when the first has none either); the weights are normalised to sum to 1.
    Hang suspects share it equally among all those tied. A first candidate whose rule is a
-   vocabulary fallback is trusted at most WEAK_CONFIDENCE.
+   vocabulary fallback is trusted at most WEAK_CONFIDENCE; so is the first of a job in whose logs
+   no other rank shows at all (`LONE_CONFIDENCE`): "first" needs others to be first before, and a
+   log that holds one rank's lines cannot tell its failure from every rank's alike.
 
 A generic traceback (an exception no rule classifies) tells no story: it does not make other
 stories' symptoms "another story" (step 1), and a rank's specific candidate represents the rank
@@ -54,6 +56,7 @@ MAX_CANDIDATES_SHOWN = 64  # candidates listed in a diagnosis (best first)
 # The most a rank named by a vocabulary fallback alone (a WARN line in the training code's own
 # words that no signature knows) is trusted, however far ahead of the others it is.
 WEAK_CONFIDENCE = 0.5
+LONE_CONFIDENCE = 0.5  # the most a rank is trusted to be first when no other rank shows
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,10 +164,12 @@ def rank_candidates(
     tied: int = 0,
     weak: Callable[[str], bool] | None = None,
     generic: Callable[[str], bool] | None = None,
+    lone: bool = False,
 ) -> list[tuple[Candidate, float]]:
-    """Steps 4 and 5 above: the earliest candidate per rank, best first (highest confidence, then
-    earliest), each with a confidence; the confidences sum to 1. ``tied``: how many hang
-    suspects are tied when only the first of them are in ``pool``."""
+    """Steps 5 and 6 above: the earliest candidate per rank, best first (highest confidence, then
+    earliest), each with a confidence; the confidences sum to 1 (at most, when capped).
+    ``tied``: how many hang suspects are tied when only the first of them are in ``pool``;
+    ``lone``: no rank but the candidates' one shows in the job's logs."""
 
     def rank_key(c: Candidate) -> tuple[bool, tuple[Any, ...]]:
         # a rank's specific story beats its generic traceback, whatever their order
@@ -200,4 +205,6 @@ def rank_candidates(
     out = [(c, w / total) for c, w in zip(ordered, weights, strict=True)]
     if weak is not None and weak(first.rule) and out[0][1] > WEAK_CONFIDENCE:
         out[0] = (first, WEAK_CONFIDENCE)  # the training code's own words, not a signature
+    if lone and len(out) == 1 and out[0][1] > LONE_CONFIDENCE:
+        out[0] = (first, LONE_CONFIDENCE)  # nobody to have been first before
     return out
