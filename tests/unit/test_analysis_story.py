@@ -8,6 +8,7 @@ from denpex_agent.events import Event
 from denpex_agent.rules import RuleSet
 from denpexd.analysis.story import (
     KILLED_RULE,
+    LONE_CONFIDENCE,
     WEAK_CONFIDENCE,
     WITNESS_RULE,
     Candidate,
@@ -97,6 +98,22 @@ def test_the_launcher_is_the_witness_only_of_a_workers_exit(unit_rules: RuleSet)
         ("a", 6, WITNESS_RULE, "witness", "user-code-exception")
     ]
     assert witnesses(list(_aggs(barrier).values()), {}, _same, ["b"]) == []
+
+
+def test_a_launchers_signal_notice_is_a_witness_too(unit_rules: RuleSet) -> None:
+    # mpirun's "noticed that process rank 3 ... exited on signal 11": a signal, no exit code
+    notice = ev("a", None, T0 + 5, "elastic-child-failed", unit_rules, culprit_rank=3, signal=11)
+    got = witnesses(list(_aggs(notice).values()), {}, _same, ["a"])
+    assert [(c.rank, c.kind) for c in got] == [(3, "witness")]
+
+
+def test_a_rank_alone_in_the_logs_is_not_confidently_first() -> None:
+    one = Candidate("a", 0, "cuda-oom", "out-of-memory", T0, T0, None, "event")
+    assert rank_candidates([one], {}, lone=True) == [(one, LONE_CONFIDENCE)]
+    assert rank_candidates([one], {}, lone=False) == [(one, 1.0)]
+    two = [one, dataclasses.replace(one, rank=1, ts=T0 + 5, aligned=T0 + 5)]
+    # another rank in the pool is someone to have been first before: the cap is for a lone rank
+    assert rank_candidates(two, {}, lone=True)[0][1] > 0.99
 
 
 def test_a_rank_named_by_a_vocabulary_fallback_alone_is_trusted_less(unit_rules: RuleSet) -> None:

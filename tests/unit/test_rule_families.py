@@ -94,6 +94,7 @@ FAMILY_RULES = (
     "elastic-closing-signal",
     "bus-error-shared-memory",
     "srun-task-exited",
+    "mpirun-rank-exited-on-signal",
     # checkpoint-io
     "no-space-left",
     "disk-quota-exceeded",

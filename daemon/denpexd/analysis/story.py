@@ -140,12 +140,13 @@ def witnesses(
     failing: list[Aggregate], tracks: Tracks, aligned: Aligned, nodes: list[str]
 ) -> list[Candidate]:
     """Step 4: nothing else points at a rank, and a launcher's report of a worker's exit (an exit
-    code, with the worker's rank or local rank) is all there is: the worker it names first."""
+    code or the signal that ended it, with the worker's rank or local rank) is all there is: the
+    worker it names first."""
     pool: list[Candidate] = []
     for a in failing:
         ev = a.first
         f = ev.fields
-        if not isinstance(f.get("exitcode"), int):
+        if not isinstance(f.get("exitcode"), int) and not isinstance(f.get("signal"), int):
             continue
         rank = f.get("culprit_rank")
         if not isinstance(rank, int) and isinstance(f.get("local_rank"), int):
