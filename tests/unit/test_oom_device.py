@@ -1,0 +1,44 @@
+"""The device a CUDA OOM names: a device other than 0 is the local rank of the process that ran
+out of memory (one device per local rank), and device 0 says nothing (a process that sees one
+device calls it 0 whatever its rank)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from denpexd.diagnosecmd import diagnose_paths
+
+STEPS = "".join(
+    f"2024-10-14 12:32:{40 + s:02d},000 INFO [rank{r}] step {s} | loss 2.1\n"
+    for s in range(1, 6)
+    for r in range(4)
+)
+
+
+def _job(tmp_path: Path, device: int, old_format: bool = False) -> Path:
+    oom = (
+        f"torch.cuda.OutOfMemoryError: CUDA out of memory. Tried to allocate 20.00 MiB (GPU {device}; 10.76 GiB "
+        "total capacity; 9.72 GiB already allocated; 7.56 MiB free)"
+        if old_format
+        else f"torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 1.88 GiB. GPU {device} has a total "
+        "capacity of 21.96 GiB of which 1.29 GiB is free."
+    )
+    log = tmp_path / "logs" / "node0" / "console.log"
+    log.parent.mkdir(parents=True)
+    log.write_text(STEPS + f"(Worker pid=2421) ERROR 10-14 12:32:47 worker.py:233] {oom}\n")
+    return log.parent.parent
+
+
+@pytest.mark.parametrize("old_format", [False, True])
+def test_a_device_other_than_0_names_the_rank(tmp_path: Path, old_format: bool) -> None:
+    d = diagnose_paths([str(_job(tmp_path, 3, old_format))])
+    assert d["verdict"] == "failed" and d["root_cause"]["category"] == "out-of-memory"
+    assert d["initiator"] is not None and d["initiator"]["rank"] == 3
+
+
+def test_device_0_names_no_rank(tmp_path: Path) -> None:
+    d = diagnose_paths([str(_job(tmp_path, 0))])
+    assert d["verdict"] == "failed"
+    assert (d["initiator"] or {}).get("rank") is None
