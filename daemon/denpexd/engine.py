@@ -35,7 +35,7 @@ from denpexd.analysis.fingerprints import LOSS_SCALE_DROPS_DEGRADED, nan_fingerp
 from denpexd.analysis.hang import HANG_RULE, hang_suspect, unresolved_stalls
 from denpexd.analysis.identity import DUPLICATE_RULE, Claims, add_claim, duplicate_ranks
 from denpexd.analysis.matches import matches
-from denpexd.analysis.quiet import LogTimes, logged_stall, note_log_time, step_interval
+from denpexd.analysis.quiet import PAUSES, LogTimes, logged_stall, note_log_time, note_pause, step_interval
 from denpexd.analysis.scope import job_wide
 from denpexd.analysis.story import KILLED_RULE, MAX_CANDIDATES_SHOWN, candidates, rank_candidates, witnesses
 from denpexd.analysis.stragglers import STRAGGLER_RULE, stragglers
@@ -100,6 +100,7 @@ class Engine:
         self.min_scale: float | None = None  # the smallest loss scale any line reported
         self.scale_levels: dict[float, Event] = {}  # each loss scale reported -> its first line
         self.log_times: LogTimes = {}  # each node's newest timestamp and quiet_since (heartbeats)
+        self.pauses: dict[str, float] = {}  # each node's newest announced pause (evaluation, save)
         self._trend_cache: tuple[Any, list[dict[str, Any]]] | None = None
         self.events_seen = 0
         # rule events per (node, rank) of ranks without a track (their tracks count the others)
@@ -141,6 +142,8 @@ class Engine:
             marker = self.rules.get(rule)
             if marker is not None and marker.marker == "checkpoint":
                 add_save(self.save_marks, _kept(ev))  # its line, not its context
+            if marker is not None and marker.marker in PAUSES and ev.ts is not None:
+                note_pause(self.pauses, ev.node, ev.ts)
             return
         scale = ev.fields.get("scale")
         if isinstance(scale, float) and math.isfinite(scale):
@@ -421,7 +424,11 @@ class Engine:
         # no error, but the logs went on long after the last step: stuck without a word
         quiet = (
             logged_stall(
-                self.log_times, aligned, step_interval(p.curve() for p in self.progress.values()), finished
+                self.log_times,
+                aligned,
+                step_interval(p.curve() for p in self.progress.values()),
+                finished,
+                self.pauses,
             )
             if not failing and collapsed is None
             else None

@@ -14,7 +14,15 @@ from denpex_agent.matcher import Matcher
 from denpex_agent.rules import RuleSet
 from denpex_agent.scanner import QUIET_WINDOW, LineScanner, Source
 from denpex_agent.timestamps import parse_timestamp
-from denpexd.analysis.quiet import FLOOR_S, LogTimes, logged_stall, note_log_time, step_interval
+from denpexd.analysis.quiet import (
+    FLOOR_S,
+    PAUSE_S,
+    LogTimes,
+    logged_stall,
+    note_log_time,
+    note_pause,
+    step_interval,
+)
 from denpexd.engine import Engine
 from tests.unit.test_engine import T0, ev
 
@@ -139,6 +147,19 @@ def test_the_latest_node_to_step_decides_and_slow_steps_raise_the_threshold() ->
 def test_a_finished_job_or_one_without_steps_is_not_stalled() -> None:
     assert logged_stall({"a": (T0 + 10 * FLOOR_S, T0)}, _aligned, None, True) is None
     assert logged_stall({"a": (T0 + 10 * FLOOR_S, None)}, _aligned, None, None) is None
+
+
+def test_an_announced_pause_after_the_last_step_waits_longer() -> None:
+    times = {"a": (T0 + FLOOR_S + 60, T0)}
+    pauses: dict[str, float] = {}
+    note_pause(pauses, "a", T0 - 30)  # announced before the last step: over
+    assert logged_stall(times, _aligned, None, None, pauses) is not None
+    note_pause(pauses, "a", T0 + 5)  # an evaluation began after it: it may take PAUSE_S
+    note_pause(pauses, "a", T0 - 60)  # an older one changes nothing
+    assert pauses == {"a": T0 + 5}
+    assert logged_stall(times, _aligned, None, None, pauses) is None
+    got = logged_stall({"a": (T0 + PAUSE_S + 1, T0)}, _aligned, None, None, pauses)
+    assert got is not None and got["threshold_s"] == PAUSE_S
 
 
 def test_step_interval_is_the_median_gap_between_logged_steps() -> None:

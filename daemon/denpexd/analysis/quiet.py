@@ -10,8 +10,9 @@ the newest of each; the job logged its last step at the latest node's ``quiet_si
 and its logs reach to the latest node's newest timestamp, both aligned.
 
 The job is stalled when the logs went on for longer than the threshold after that:
-``max(FLOOR_S, FACTOR x the median time between logged step lines)``, and no rank logged the end
-of training or its planned last step. The floor is NCCL's default collective timeout: a job that
+``max(FLOOR_S, FACTOR x the median time between logged step lines)``, or `PAUSE_S` when a pause
+was announced (an evaluation, a checkpoint save: the `marker` rules) at or after that time, as the
+live watch allows it; and no rank logged the end of training or its planned last step. The floor is NCCL's default collective timeout: a job that
 took no step for that long, with lines still being written, is not merely slow. The silence is a
 lower bound (both ends are chosen to shorten it), so the verdict never rests on an overestimate.
 Each node's heartbeats carry the values it reached, and the newest wins: the live answer, once
@@ -21,6 +22,7 @@ every line is read, equals the post-mortem one.
 from __future__ import annotations
 
 import itertools
+import math
 import statistics
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -29,6 +31,8 @@ from denpex_agent.timestamps import format_iso
 
 FLOOR_S = 600.0  # no step for this long, while the logs go on: stalled
 FACTOR = 10.0  # ... or this many times the usual time between step lines, if longer
+PAUSE_S = 1800.0  # ... or this long in an announced pause (the live watch's stall_pause_s default)
+PAUSES = ("pause", "checkpoint")  # the marker kinds that announce one
 
 LogTimes = dict[str, tuple[float, float | None]]  # node -> (newest timestamp, newest quiet_since)
 
@@ -39,6 +43,12 @@ def note_log_time(times: LogTimes, node: str, ts: float, quiet: object) -> None:
     if isinstance(quiet, int | float) and not isinstance(quiet, bool) and (since is None or quiet > since):
         since = float(quiet)
     times[node] = (max(end, ts), since)
+
+
+def note_pause(pauses: dict[str, float], node: str, ts: float) -> None:
+    """Keep each node's newest announced pause."""
+    if ts > pauses.get(node, -math.inf):
+        pauses[node] = ts
 
 
 def step_interval(curves: Iterable[list[tuple[int, float]]]) -> float | None:
@@ -53,8 +63,10 @@ def logged_stall(
     aligned: Callable[[str, float | None], float | None],
     interval: float | None,
     finished: bool | None,
+    pauses: dict[str, float] | None = None,
 ) -> dict[str, Any] | None:
-    """The stall the logs show (see the module's docstring), or None."""
+    """The stall the logs show (see the module's docstring), or None. ``pauses``: each node's
+    newest announced pause (local time)."""
     if finished or not times:
         return None
     quiet = [q for node, (_end, since) in times.items() if (q := aligned(node, since)) is not None]
@@ -63,6 +75,9 @@ def logged_stall(
     since = max(quiet)
     until = max(t for node, (end, _since) in times.items() if (t := aligned(node, end)) is not None)
     threshold = max(FLOOR_S, FACTOR * interval) if interval is not None else FLOOR_S
+    paused = any((t := aligned(node, ts)) is not None and t >= since for node, ts in (pauses or {}).items())
+    if paused:
+        threshold = max(threshold, PAUSE_S)
     silent = until - since
     if silent <= threshold:
         return None
