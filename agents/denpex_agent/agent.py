@@ -37,11 +37,12 @@ from denpex_agent.attribution import Layout
 from denpex_agent.checkpoint import Checkpoints
 from denpex_agent.config import AgentConfig
 from denpex_agent.errors import RuleError
-from denpex_agent.events import Event, event_id
+from denpex_agent.events import Event
 from denpex_agent.matcher import Matcher
 from denpex_agent.metrics import AgentMetrics
 from denpex_agent.publisher import Publisher
 from denpex_agent.rules import load_rules
+from denpex_agent.scanner import Source, heartbeat
 from denpex_agent.tailer import Mark, Tailer
 
 log = logging.getLogger(__name__)
@@ -94,10 +95,8 @@ def _split(events: list[Event], max_bytes: int) -> list[list[Event]]:
 class _FileView:
     """What a heartbeat says about one followed file, as the reader last saw it."""
 
-    path: str
+    source: Source
     identity: str
-    rank: int | None
-    local_rank: int | None
     pos: int
     line_no: int
     last_ts: float | None
@@ -344,13 +343,10 @@ class Agent:
     def _file_views(self) -> list[_FileView]:
         views = []
         for f in list(self.tailer.files):
-            src = f.scanner.source
             views.append(
                 _FileView(
-                    f.path,
+                    f.scanner.source,
                     f.identity,
-                    src.rank,
-                    src.local_rank,
                     f.pos,
                     f.scanner.line_no,
                     f.scanner.last_ts(),
@@ -404,21 +400,9 @@ class Agent:
                 fields["scan_busy_s"] = round(busy_s, 3)
             if est is not None:
                 fields["clock_offset_s"], fields["clock_uncertainty_s"] = est
-            ev = Event(
-                id=event_id(self.cfg.agent, v.identity, int(now * 1000), "heartbeat"),
-                kind="heartbeat",
-                job=self.cfg.job,
-                node=self.cfg.node,
-                rank=v.rank,
-                local_rank=v.local_rank,
-                file=v.path,
-                offset=v.pos,
-                line_no=v.line_no,
-                ts=v.last_ts,
-                ts_source="line" if v.last_ts is not None else "none",
-                fields=fields,
+            beats.append(
+                heartbeat(v.source, v.identity, int(now * 1000), v.pos, v.line_no, v.last_ts, fields)
             )
-            beats.append(ev)
         if beats:
             item = _Item(beats, [], sum(map(_event_size, beats)), now, self._behind)
             with self._lock:

@@ -21,9 +21,9 @@ from typing import Any
 
 from denpex_agent.attribution import Attribution, Layout, attribute_path
 from denpex_agent.errors import DenpexAgentError, LayoutError
-from denpex_agent.events import Event, event_id, file_identity
+from denpex_agent.events import Event, file_identity
 from denpex_agent.matcher import Matcher
-from denpex_agent.scanner import LineScanner, ScanStats, Source
+from denpex_agent.scanner import LineScanner, ScanStats, Source, heartbeat
 
 log = logging.getLogger(__name__)
 
@@ -230,29 +230,16 @@ def scanner_for(
     return LineScanner(matcher, source, context_lines=context_lines, wants_context=wants_context)
 
 
-def log_end(scanner: LineScanner, identity: str, job: str, agent: str) -> Event | None:
+def log_end(scanner: LineScanner, identity: str) -> Event | None:
     """A read file's last word on time, as the agent's heartbeats say it of a followed file: its
     newest timestamp (the event's ``ts``) and, when it logged steps, ``quiet_since`` (from when it
     logged none). None when the file has no timestamp."""
     last = scanner.last_ts()
     if last is None:
         return None
-    src = scanner.source
     quiet = scanner.quiet_since()
-    return Event(
-        id=event_id(agent, identity, scanner.offset, "heartbeat"),
-        kind="heartbeat",
-        job=job,
-        node=src.node,
-        rank=src.rank,
-        local_rank=src.local_rank,
-        file=src.file,
-        offset=scanner.offset,
-        line_no=scanner.line_no,
-        ts=last,
-        ts_source="line",
-        fields={} if quiet is None else {"quiet_since": quiet},
-    )
+    fields: dict[str, Any] = {} if quiet is None else {"quiet_since": quiet}
+    return heartbeat(scanner.source, identity, scanner.offset, scanner.offset, scanner.line_no, last, fields)
 
 
 def read_files(
@@ -283,7 +270,7 @@ def read_files(
         except OSError as exc:
             report.warn(f"{lf.path}: read failed at offset {scanner.offset}: {exc.strerror or exc}")
         yield from scanner.finish()
-        end = log_end(scanner, lf.identity, job, agent)
+        end = log_end(scanner, lf.identity)
         if end is not None:
             yield end
         st = scanner.stats

@@ -111,6 +111,34 @@ class Source:
     ref_epoch: float | None = None
 
 
+def heartbeat(
+    src: Source,
+    identity: str,
+    stamp: int,
+    offset: int,
+    line_no: int,
+    ts: float | None,
+    fields: dict[str, Any],
+) -> Event:
+    """A heartbeat of one file (`src`, whose ``identity`` may have grown with its first bytes
+    since): how far it was read (``offset``, ``line_no``) and its newest time (``ts``);
+    ``stamp`` tells one beat of the file from another in its id."""
+    return Event(
+        id=event_id(src.agent, identity, stamp, "heartbeat"),
+        kind="heartbeat",
+        job=src.job,
+        node=src.node,
+        rank=src.rank,
+        local_rank=src.local_rank,
+        file=src.file,
+        offset=offset,
+        line_no=line_no,
+        ts=ts,
+        ts_source="line" if ts is not None else "none",
+        fields=fields,
+    )
+
+
 class LineScanner:
     """Turns a file's bytes, fed in order, into match and progress events."""
 
