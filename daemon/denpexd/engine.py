@@ -445,6 +445,11 @@ class Engine:
         elif quiet is not None:
             verdict = "failed"
             explained = root_cause(rules, STALL_RULE, "hang")
+            # the rank whose progress stopped at an earlier step than the others', if one did (as
+            # for a hang that timed out); ranks that all stopped alike name nobody
+            stalled, tied = hang_suspect(aggs, tracks, aligned)
+            ranked = rank_candidates(stalled, clocks, tied, weak=weak, generic=generic)
+            initiator = ranked[0] if ranked else None
         elif slow or trend or drops_degrade:
             verdict = "degraded"
             if trend:
@@ -488,7 +493,7 @@ class Engine:
             shared is not None
             or alike
             or bool(dups)
-            or (not failing and (collapsed is not None or quiet is not None))
+            or (not failing and (collapsed is not None or (quiet is not None and initiator is None)))
         )
         out: dict[str, Any] = {
             "job": self.job,

@@ -188,3 +188,15 @@ def test_the_engine_fails_a_job_whose_logs_outlived_its_steps(unit_rules: RuleSe
         e2.add(ev("n0", 0, T0 + 10 * s, None, unit_rules, step=s))
     e2.add(_beat(unit_rules, "n0", T0 + 60 + FLOOR_S - 1, T0 + 60))
     assert e2.diagnose()["verdict"] == "healthy" and e2.diagnose()["logged_stall"] is None
+
+
+def test_a_rank_that_stopped_at_an_earlier_step_is_the_suspect(unit_rules: RuleSet) -> None:
+    e = Engine("j", unit_rules)
+    for s in range(1, 6):
+        for r in range(4):
+            if r != 2 or s <= 3:  # rank 2 logged its last step at step 3, the others went on to 5
+                e.add(ev("n0", r, T0 + 10 * s, None, unit_rules, step=s))
+    e.add(_beat(unit_rules, "n0", T0 + 60 + FLOOR_S + 1, T0 + 60))
+    d = e.diagnose()
+    assert d["verdict"] == "failed" and d["root_cause"]["category"] == "hang"
+    assert d["initiator"] is not None and d["initiator"]["rank"] == 2 and d["scope"] == "rank"
