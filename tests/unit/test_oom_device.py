@@ -1,4 +1,4 @@
-"""The device a CUDA OOM names: a device other than 0 is the local rank of the process that ran
+"""Ranks that one line names: the device a CUDA OOM names: a device other than 0 is the local rank of the process that ran
 out of memory (one device per local rank), and device 0 says nothing (a process that sees one
 device calls it 0 whatever its rank)."""
 
@@ -42,3 +42,21 @@ def test_device_0_names_no_rank(tmp_path: Path) -> None:
     d = diagnose_paths([str(_job(tmp_path, 0))])
     assert d["verdict"] == "failed"
     assert (d["initiator"] or {}).get("rank") is None
+
+
+def test_a_peer_naming_the_rank_it_lost_outweighs_the_launchers_kill_report(tmp_path: Path) -> None:
+    log = tmp_path / "logs" / "node0" / "console.log"
+    log.parent.mkdir(parents=True)
+    log.write_text(
+        "RuntimeError: [6] is setting up NCCL communicator and retrieving ncclUniqueId from [0] via c10d key-value "
+        "store by key '0', but store->get('0') got error: Broken pipe. This may indicate a possible application crash "
+        "on rank 0 or a network set up issue.\n"
+        "[2023-12-27 11:01:09,316] [ERROR] [launch.py:321:sigkill_handler] ['/usr/bin/python3', '-u', 'train.py', "
+        "'--local_rank=7'] exits with return code = -9\n"
+    )
+    d = diagnose_paths([str(tmp_path / "logs")])
+    assert d["verdict"] == "failed" and d["initiator"] is not None
+    assert d["initiator"]["rank"] == 0  # the root rank 6 could not reach, not the worker the launcher reports
+    # without the peer's report, the killed worker is all there is
+    log.write_text(log.read_text().splitlines(keepends=True)[1])
+    assert diagnose_paths([str(tmp_path / "logs")])["initiator"]["rank"] == 7

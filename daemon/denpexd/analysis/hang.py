@@ -22,7 +22,7 @@ import math
 from collections.abc import Iterable
 
 from denpex_agent.rules import SEVERITIES
-from denpexd.analysis.story import MAX_CANDIDATES_SHOWN, Candidate
+from denpexd.analysis.story import MAX_CANDIDATES_SHOWN, Candidate, names_culprit
 from denpexd.analysis.tracks import Aggregate, Aggregates, Aligned, RankTrack, Tracks
 
 HANG_RULE = "hang-rank-stopped-progress"
@@ -78,8 +78,8 @@ def _hints(aggs: Aggregates) -> dict[int, int]:
     """How often hang and communication reports name each rank as the culprit."""
     hints: dict[int, int] = {}
     for a in aggs.values():
-        cr = a.first.fields.get("culprit_rank")
-        if isinstance(cr, int) and a.first.category in ("hang", "communication"):
+        if names_culprit(a.first):
+            cr = a.first.fields["culprit_rank"]
             hints[cr] = hints.get(cr, 0) + a.count
     return hints
 

@@ -122,8 +122,10 @@ def candidates(
         if generic is not None and generic(ev.rule or "") and LAUNCHER_FRAME.search(ev.text):
             continue  # the launcher's own traceback after its workers failed: collateral
         pool.append(Candidate(node, rank, ev.rule or "", ev.category or "", ev.ts, at, ev, "event"))
-    if not pool:
-        # torchrun saw a worker die by SIGKILL and nothing else names a cause: that worker.
+    if not pool and not any(names_culprit(a.first) for a in failing):
+        # torchrun saw a worker die by SIGKILL and nothing else names a cause: that worker. A
+        # peer's report naming the rank it lost is evidence of who failed first, a launcher's
+        # report of a worker it killed is not, then: the hang analysis weighs the named rank.
         for a in failing:
             ev = a.first
             f = ev.fields
@@ -134,6 +136,11 @@ def candidates(
                 at = aligned(ev.node, ev.ts)
                 pool.append(Candidate(ev.node, rank, KILLED_RULE, "process-killed", ev.ts, at, ev, "killed"))
     return pool
+
+
+def names_culprit(ev: Event) -> bool:
+    """A hang or communication report that names the rank the others waited for or lost."""
+    return isinstance(ev.fields.get("culprit_rank"), int) and ev.category in ("hang", "communication")
 
 
 def witnesses(
