@@ -37,7 +37,14 @@ from denpexd.analysis.identity import DUPLICATE_RULE, Claims, add_claim, duplica
 from denpexd.analysis.matches import matches
 from denpexd.analysis.quiet import PAUSES, LogTimes, logged_stall, note_log_time, note_pause, step_interval
 from denpexd.analysis.scope import job_wide
-from denpexd.analysis.story import KILLED_RULE, MAX_CANDIDATES_SHOWN, candidates, rank_candidates, witnesses
+from denpexd.analysis.story import (
+    KILLED_RULE,
+    MAX_CANDIDATES_SHOWN,
+    candidates,
+    rank_candidates,
+    witnessed_rank,
+    witnesses,
+)
 from denpexd.analysis.stragglers import STRAGGLER_RULE, stragglers
 from denpexd.analysis.tracks import (
     JOB_SERIES,
@@ -394,6 +401,11 @@ class Engine:
         seen = {(n, r) for n, r in tracks if r is not None} | {(n, r) for n, r, _ in aggs if r is not None}
         ranked = rank_candidates(pool, clocks, tied, weak=weak, generic=generic, lone=len(seen) <= 1)
         initiator = ranked[0] if ranked else None
+        if initiator is not None and initiator[0].rank is None and initiator[0].kind == "event":
+            rank = witnessed_rank(initiator[0], failing, tracks, aligned, nodes)
+            if rank is not None:
+                initiator = (dataclasses.replace(initiator[0], rank=rank), initiator[1])
+                ranked = [initiator, *ranked[1:]]
         erring = {(node, rank) for (node, rank, _), a in aggs.items() if rank is not None and sev(a) >= ERROR}
         # the failure every rank shares, when no single rank broke first
         shared = job_wide(initiator[0], pool, ranked, erring, clocks, rules) if initiator else None

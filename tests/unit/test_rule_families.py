@@ -99,6 +99,7 @@ FAMILY_RULES = (
     "no-space-left",
     "disk-quota-exceeded",
     "state-dict-mismatch",
+    "safetensors-shared-tensors",
     "too-many-open-files",
     # proven by real lines from public threads, second round
     "nccl-ops-failed-teardown",

@@ -138,6 +138,16 @@ def candidates(
     return pool
 
 
+def witnessed_rank(
+    lead: Candidate, failing: list[Aggregate], tracks: Tracks, aligned: Aligned, nodes: list[str]
+) -> int | None:
+    """The rank of a first failure that names none (an unprefixed traceback in a stream several
+    workers share): the worker its node's launcher reports as failed, when it reports exactly one
+    (torchrun's `failed (exitcode: 1) local_rank: 0`, its summary's root cause)."""
+    named = {c.rank for c in witnesses(failing, tracks, aligned, nodes) if c.node == lead.node}
+    return named.pop() if len(named) == 1 else None
+
+
 def names_culprit(ev: Event) -> bool:
     """A hang or communication report that names the rank the others waited for or lost."""
     return isinstance(ev.fields.get("culprit_rank"), int) and ev.category in ("hang", "communication")

@@ -1,6 +1,8 @@
-"""Ranks that one line names: the device a CUDA OOM names: a device other than 0 is the local rank of the process that ran
-out of memory (one device per local rank), and device 0 says nothing (a process that sees one
-device calls it 0 whatever its rank)."""
+"""Ranks that lines name or imply: the device a CUDA OOM names (a device other than 0 is the local
+rank of the process that ran out of memory, one device per local rank; device 0 says nothing, as
+a process that sees one device calls it 0 whatever its rank); the root a peer could not reach,
+over the worker a launcher killed; the worker a launcher reports failed, for a first failure that
+names no rank."""
 
 from __future__ import annotations
 
@@ -60,3 +62,33 @@ def test_a_peer_naming_the_rank_it_lost_outweighs_the_launchers_kill_report(tmp_
     # without the peer's report, the killed worker is all there is
     log.write_text(log.read_text().splitlines(keepends=True)[1])
     assert diagnose_paths([str(tmp_path / "logs")])["initiator"]["rank"] == 7
+
+
+def _console(tmp_path: Path, *lines: str) -> str:
+    log = tmp_path / "logs" / "node0" / "console.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    log.write_text("".join(line + "\n" for line in lines))
+    return str(tmp_path / "logs")
+
+
+TRACEBACK = (
+    "Traceback (most recent call last):",
+    '  File "train.py", line 9, in <module>',
+    "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.10 GiB",
+)
+FAILED = "E1129 12:00:05.000000 1 torch/distributed/elastic/multiprocessing/api.py:833] failed (exitcode: 1) local_rank: {} (pid: 42{}) of binary: /usr/bin/python3"
+
+
+def test_an_unranked_first_failure_is_the_worker_its_launcher_reports(tmp_path: Path) -> None:
+    d = diagnose_paths([_console(tmp_path, *TRACEBACK, FAILED.format(2, 2))])
+    assert d["initiator"]["rule"] == "cuda-oom" and d["initiator"]["rank"] == 2
+
+
+def test_another_nodes_launcher_names_no_rank_for_it(tmp_path: Path) -> None:
+    root = _console(tmp_path, *TRACEBACK)
+    other = tmp_path / "logs" / "node1" / "console.log"
+    other.parent.mkdir(parents=True)
+    other.write_text(FAILED.format(2, 2) + "\n")
+    d = diagnose_paths([root])
+    assert d["initiator"]["rule"] == "cuda-oom" and d["initiator"]["node"] == "node0"
+    assert d["initiator"]["rank"] is None
