@@ -59,3 +59,8 @@ def test_the_rank_table_by_rank_with_unknown_ranks_last(unit_rules: RuleSet) -> 
     rows = rank_table(tracks, lambda node, ts: None if ts is None else ts - 10, {("b", 2): 3})
     assert [(r["node"], r["rank"], r["events"]) for r in rows] == [("a", 0, 0), ("b", 2, 3), ("a", None, 0)]
     assert rows[0]["last_step"] == 5 and rows[0]["last_step_time"] == format_iso(T0)
+
+
+def test_a_hang_suspect_without_a_line_says_the_others_point_at_it() -> None:
+    d = candidate_dict((Candidate("a", 0, "hang", "hang", None, None, None, "hang"), 1.0))
+    assert d["text"].startswith("rank 0 left no line in these logs") and d["file"] is None

@@ -20,8 +20,13 @@ def candidate_dict(item: tuple[Candidate, float]) -> dict[str, Any]:
     c, conf = item
     ev = c.event
     text = ev.text if ev is not None else ""
-    if c.kind == "hang":
+    if c.kind == "hang" and ev is not None:
         text = f"rank {c.rank} stopped making progress (last step line: {text.strip()[:300]})"
+    elif c.kind == "hang":
+        text = (
+            f"rank {c.rank} left no line in these logs; the other ranks' reports point at it "
+            "(they name it, or it is missing from the collective they wait in)"
+        )
     return {
         "node": c.node,
         "rank": c.rank,
