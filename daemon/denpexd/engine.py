@@ -156,7 +156,8 @@ class Engine:
         track = self._track(ev.node, ev.rank)
         if track is not None:
             track.vote(ev)
-        key = (ev.node, ev.rank, rule)
+        # the track's rank number (equal to the event's): one int object per rank, not one per key
+        key = (ev.node, track.rank if track is not None else ev.rank, rule)
         agg = self.aggs.get(key)
         if agg is None:
             if not self._room_for(ev):
@@ -297,17 +298,19 @@ class Engine:
         """Hold less of what the analyses never read, the diagnosis unchanged (`denpexd serve`
         calls it after each diagnosis: a job of thousands of ranks keeps an event or two per
         rank): each rank's newest step line keeps only its step and planned total of its fields;
-        kept events share one empty context, one empty fields map, and their rank's number and
-        file name."""
+        kept events share one empty context, one empty fields map, their rank's number and file
+        name, and one copy of each text (thousands of ranks log the same step line or the same
+        consequence)."""
         shared: dict[Any, StepFields] = {}
+        texts: dict[str, str] = {}
         for (_node, rank), t in self.tracks.items():
             ev = t.last_progress
             if ev is not None and ev.fields.__class__ is not StepFields:
-                t.last_progress = compact_step(ev, rank, t.files.first, shared)
+                t.last_progress = compact_step(ev, rank, t.file, shared, texts)
         tracks = self.tracks
         for (node, rank, _rule), agg in self.aggs.items():
             own = tracks.get((node, rank))
-            share_empties(agg.first, rank, own.files.first if own is not None else None)
+            share_empties(agg.first, rank, own.file if own is not None else None, texts)
 
     def kept_step(self, ev: Event) -> Event:
         """The step line as its rank's track keeps it, if it is the track's newest (the stall

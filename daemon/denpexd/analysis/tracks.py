@@ -11,7 +11,7 @@ import math
 import statistics
 from array import array
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from denpex_agent.events import Event
@@ -220,10 +220,13 @@ class StepFields(dict[str, Any]):
     __slots__ = ()
 
 
-def compact_step(ev: Event, rank: int | None, file: str | None, shared: dict[Any, StepFields]) -> Event:
+def compact_step(
+    ev: Event, rank: int | None, file: str | None, shared: dict[Any, StepFields], texts: dict[str, str]
+) -> Event:
     """A rank's newest step line as the analyses read it: its fields cut to `STEP_FIELDS` (shared
     through ``shared``), an empty context shared, the rank's number and file name (``rank``,
-    ``file``: equal values the track holds already) instead of copies."""
+    ``file``: equal values the track holds already) instead of copies, and its text shared with
+    the equal texts of other ranks (``texts``: ranks at one step often print the same line)."""
     f = ev.fields
     key = tuple((k, f[k].__class__, f[k]) for k in STEP_FIELDS if k in f)
     fields = shared.get(key)
@@ -232,78 +235,24 @@ def compact_step(ev: Event, rank: int | None, file: str | None, shared: dict[Any
     return Event(
         ev.id, ev.kind, ev.job, ev.node, rank if rank == ev.rank else ev.rank, ev.local_rank,
         file if file == ev.file and file is not None else ev.file, ev.offset, ev.line_no, ev.ts,
-        ev.ts_source, ev.rule, ev.severity, ev.role, ev.category, ev.text,
+        ev.ts_source, ev.rule, ev.severity, ev.role, ev.category, texts.setdefault(ev.text, ev.text),
         ev.context or NO_CONTEXT, fields,
     )  # fmt: skip
 
 
-def share_empties(ev: Event, rank: int | None, file: str | None) -> None:
-    """Make a kept event hold the shared empty containers and the track's rank number and file
-    name where its own are equal: in place, since nothing a reader sees changes."""
+def share_empties(ev: Event, rank: int | None, file: str | None, texts: dict[str, str]) -> None:
+    """Make a kept event hold the shared empty containers, the track's rank number and file name
+    where its own are equal, and the text equal events hold (``texts``): in place, since nothing a
+    reader sees changes."""
     if not ev.context and ev.context is not NO_CONTEXT:
         ev.context = NO_CONTEXT
+    ev.text = texts.setdefault(ev.text, ev.text)
     if not ev.fields and ev.fields is not NO_FIELDS:
         ev.fields = NO_FIELDS
     if file is not None and ev.file is not file and ev.file == file:
         ev.file = file
     if rank is not None and ev.rank is not rank and ev.rank == rank:
         ev.rank = rank
-
-
-class Votes:
-    """How often each key (a file, a local rank) was seen: a counting map that stores its first
-    key inline and makes a dict only for a second one (memory: a rank almost always writes one
-    file under one local rank, and a job holds a track per rank)."""
-
-    __slots__ = ("_count", "_key", "_more")
-
-    def __init__(self) -> None:
-        self._key: Any = None
-        self._count = 0
-        self._more: dict[Any, int] | None = None
-
-    def add(self, key: Any) -> None:
-        if self._count and key == self._key:
-            self._count += 1
-        elif not self._count:
-            self._key, self._count = key, 1
-        else:
-            more = self._more
-            if more is None:
-                more = self._more = {}
-            more[key] = more.get(key, 0) + 1
-
-    def __contains__(self, key: object) -> bool:
-        return (self._count > 0 and key == self._key) or (self._more is not None and key in self._more)
-
-    def __getitem__(self, key: Any) -> int:
-        if self._count and key == self._key:
-            return self._count
-        if self._more is None:
-            raise KeyError(key)
-        return self._more[key]
-
-    @property
-    def first(self) -> Any:
-        """The first key seen (None: none)."""
-        return self._key
-
-    def to_dict(self) -> dict[Any, int]:
-        out = {self._key: self._count} if self._count else {}
-        out.update(self._more or {})
-        return out
-
-    def __eq__(self, other: object) -> bool:
-        if isinstance(other, Votes):
-            return self.to_dict() == other.to_dict()
-        if isinstance(other, dict):
-            return self.to_dict() == other
-        return NotImplemented
-
-    __hash__ = None  # type: ignore[assignment]
-
-    def __repr__(self) -> str:
-        return f"Votes({self.to_dict()!r})"
 
 
 @dataclass(slots=True)
@@ -322,16 +271,61 @@ class RankTrack:
     # per value name (`SERIES`): the finite values of this rank's progress samples, by step
     series: dict[str, Series] | None = None
     # how many of this rank's events came from each file and under each local rank: the votes
-    # that give an event naming no global rank its rank (see analysis.ranks)
-    files: Votes = field(default_factory=Votes)
-    locals: Votes = field(default_factory=Votes)
+    # that give an event naming no global rank its rank (see analysis.ranks). The first file and
+    # the first local rank are counted in the track itself, others in a dict made for a second
+    # one (memory: a rank almost always writes one file under one local rank, and a job holds a
+    # track per rank, so two counting objects per track would be most of a track)
+    file: str | None = None  # the first file (None: no vote yet)
+    file_votes: int = 0
+    other_files: dict[str, int] | None = None
+    local: int | None = None  # the first local rank (None: no vote yet)
+    local_votes: int = 0
+    other_locals: dict[int, int] | None = None
     rule_events: int = 0  # rule events that named this rank (the rank table's count)
 
     def vote(self, ev: Event) -> None:
-        self.files.add(ev.file)
+        self.vote_file(ev.file)
         local = ev.local_rank
         if local is not None:
-            self.locals.add(local)
+            self.vote_local(local)
+
+    def vote_file(self, file: str, n: int = 1) -> None:
+        if not self.file_votes:
+            self.file = file
+        if file == self.file:
+            self.file_votes += n
+        else:
+            if self.other_files is None:
+                self.other_files = {}
+            self.other_files[file] = self.other_files.get(file, 0) + n
+
+    def vote_local(self, local: int, n: int = 1) -> None:
+        if not self.local_votes:
+            self.local = local
+        if local == self.local:
+            self.local_votes += n
+        else:
+            if self.other_locals is None:
+                self.other_locals = {}
+            self.other_locals[local] = self.other_locals.get(local, 0) + n
+
+    def votes_for_file(self, file: str) -> int:
+        """How many of this rank's events came from ``file`` (0: none)."""
+        if self.file_votes and file == self.file:
+            return self.file_votes
+        return self.other_files.get(file, 0) if self.other_files is not None else 0
+
+    def votes_for_local(self, local: int) -> int:
+        """How many of this rank's events named local rank ``local`` (0: none)."""
+        if self.local_votes and local == self.local:
+            return self.local_votes
+        return self.other_locals.get(local, 0) if self.other_locals is not None else 0
+
+    def votes(self) -> tuple[dict[str, int], dict[int, int]]:
+        """Every file's and every local rank's votes, as two maps."""
+        files = {self.file: self.file_votes} if self.file_votes and self.file is not None else {}
+        locals_ = {self.local: self.local_votes} if self.local_votes and self.local is not None else {}
+        return files | (self.other_files or {}), locals_ | (self.other_locals or {})
 
     @property
     def samples(self) -> list[tuple[int, float]]:
@@ -381,7 +375,8 @@ class RankTrack:
             self.node, self.rank, self.progress, self.last_step, self.last_step_ts, self.last_progress
         )
         dup.merge(self)
-        dup.files, dup.locals = self.files, self.locals  # read-only from here on
+        dup.file, dup.file_votes, dup.other_files = self.file, self.file_votes, self.other_files
+        dup.local, dup.local_votes, dup.other_locals = self.local, self.local_votes, self.other_locals
         dup.rule_events = self.rule_events
         return dup
 
