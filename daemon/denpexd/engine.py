@@ -312,6 +312,11 @@ class Engine:
             own = tracks.get((node, rank))
             share_empties(agg.first, rank, own.file if own is not None else None, texts)
 
+    def track_keys(self) -> dict[tuple[str, int | None], tuple[str, int | None]]:
+        """Each rank's track key, by an equal key: what a holder of equal (node, rank) tuples
+        needs to hold the engine's instead (the stall watch: one tuple per rank, not two)."""
+        return {k: k for k in self.tracks}
+
     def kept_step(self, ev: Event) -> Event:
         """The step line as its rank's track keeps it, if it is the track's newest (the stall
         watch then holds the same object), else ``ev``."""

@@ -800,7 +800,7 @@ class JobTable:
             state.fresh, state.packed = None, zlib.compress(data, 1)
         state.engine.compact()
         if state.watch is not None:
-            state.watch.compact(state.engine.kept_step)
+            state.watch.compact(state.engine.kept_step, state.engine.track_keys())
         await self.store.save_diagnosis(state.job, doc)
         return doc
 
