@@ -44,6 +44,7 @@ from denpexd.analysis.tracks import (
     Aggregates,
     NodeProgress,
     RankTrack,
+    Shared,
     StepFields,
     StepMax,
     aligned_order,
@@ -299,18 +300,18 @@ class Engine:
         calls it after each diagnosis: a job of thousands of ranks keeps an event or two per
         rank): each rank's newest step line keeps only its step and planned total of its fields;
         kept events share one empty context, one empty fields map, their rank's number and file
-        name, and one copy of each text (thousands of ranks log the same step line or the same
-        consequence)."""
-        shared: dict[Any, StepFields] = {}
-        texts: dict[str, str] = {}
+        name, and equal texts, times, offsets and line numbers (`analysis.tracks.Shared`:
+        thousands of ranks log the same step line or the same consequence)."""
+        shared = Shared()
         for (_node, rank), t in self.tracks.items():
             ev = t.last_progress
             if ev is not None and ev.fields.__class__ is not StepFields:
-                t.last_progress = compact_step(ev, rank, t.file, shared, texts)
+                t.last_progress = compact_step(ev, rank, t.file, shared)
         tracks = self.tracks
         for (node, rank, _rule), agg in self.aggs.items():
             own = tracks.get((node, rank))
-            share_empties(agg.first, rank, own.file if own is not None else None, texts)
+            share_empties(agg.first, rank, own.file if own is not None else None, shared)
+            agg.last_ts = shared.time(agg.last_ts)
 
     def track_keys(self) -> dict[tuple[str, int | None], tuple[str, int | None]]:
         """Each rank's track key, by an equal key: what a holder of equal (node, rank) tuples

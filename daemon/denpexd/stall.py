@@ -96,12 +96,13 @@ class StallWatch:
 
     def compact(self, kept: Callable[[Event], Event], keys: Mapping[Any, Any] | None = None) -> None:
         """Hold each rank's line as ``kept`` gives it (the engine's compacted copy of the same
-        line: one object for both), and each rank's key as ``keys`` maps it (the engine's equal
-        key of the rank's track: one tuple for both; a job holds thousands)."""
+        line: one object for both, and its time), and each rank's key as ``keys`` maps it (the
+        engine's equal key of the rank's track: one tuple for both; a job holds thousands)."""
         for pace in self.ranks.values():
             ev = pace.event
             if ev.fields.__class__ is not StepFields:
                 pace.event = kept(ev)
+                pace.ts = pace.event.ts
         if keys is not None and any(keys.get(k, k) is not k for k in self.ranks):
             self.ranks = {keys.get(k, k): pace for k, pace in self.ranks.items()}
 

@@ -220,39 +220,66 @@ class StepFields(dict[str, Any]):
     __slots__ = ()
 
 
-def compact_step(
-    ev: Event, rank: int | None, file: str | None, shared: dict[Any, StepFields], texts: dict[str, str]
-) -> Event:
-    """A rank's newest step line as the analyses read it: its fields cut to `STEP_FIELDS` (shared
-    through ``shared``), an empty context shared, the rank's number and file name (``rank``,
-    ``file``: equal values the track holds already) instead of copies, and its text shared with
-    the equal texts of other ranks (``texts``: ranks at one step often print the same line)."""
-    f = ev.fields
-    key = tuple((k, f[k].__class__, f[k]) for k in STEP_FIELDS if k in f)
-    fields = shared.get(key)
-    if fields is None:
-        fields = shared[key] = StepFields((k, v) for k, _, v in key)
+class Shared:
+    """One object for each distinct value among the events one compaction keeps (`compact_step`,
+    `share_empties`), instead of one per event: the ranks of a job run one program, so their
+    kept lines often have the same text, time (a second's resolution), line number or offset,
+    and a job keeps thousands of such lines. Values are shared only with values of their own
+    class, and no zero time (equal is not enough: 1 == 1.0, -0.0 == 0.0)."""
+
+    __slots__ = ("fields", "numbers", "texts", "times")
+
+    def __init__(self) -> None:
+        self.fields: dict[Any, StepFields] = {}
+        self.texts: dict[str, str] = {}
+        self.times: dict[float, float] = {}
+        self.numbers: dict[int, int] = {}
+
+    def step_fields(self, fields: dict[str, Any]) -> StepFields:
+        """The `STEP_FIELDS` of a step line's fields, as a map shared by equal ones."""
+        key = tuple((k, fields[k].__class__, fields[k]) for k in STEP_FIELDS if k in fields)
+        got = self.fields.get(key)
+        if got is None:
+            got = self.fields[key] = StepFields((k, v) for k, _, v in key)
+        return got
+
+    def text(self, text: str) -> str:
+        return self.texts.setdefault(text, text) if text.__class__ is str else text
+
+    def time(self, ts: float | None) -> float | None:
+        return self.times.setdefault(ts, ts) if ts.__class__ is float and ts else ts
+
+    def number(self, n: int) -> int:
+        return self.numbers.setdefault(n, n) if n.__class__ is int else n
+
+
+def compact_step(ev: Event, rank: int | None, file: str | None, shared: Shared) -> Event:
+    """A rank's newest step line as the analyses read it: its fields cut to `STEP_FIELDS`, an
+    empty context shared, the rank's number and file name (``rank``, ``file``: equal values the
+    track holds already) instead of copies, and its text, time, offset and line number shared
+    with equal ones (``shared``), and so is its job's name."""
     return Event(
-        ev.id, ev.kind, ev.job, ev.node, rank if rank == ev.rank else ev.rank, ev.local_rank,
-        file if file == ev.file and file is not None else ev.file, ev.offset, ev.line_no, ev.ts,
-        ev.ts_source, ev.rule, ev.severity, ev.role, ev.category, texts.setdefault(ev.text, ev.text),
-        ev.context or NO_CONTEXT, fields,
+        ev.id, ev.kind, shared.text(ev.job), ev.node, rank if rank == ev.rank else ev.rank, ev.local_rank,
+        file if file == ev.file and file is not None else ev.file, shared.number(ev.offset),
+        shared.number(ev.line_no), shared.time(ev.ts), ev.ts_source, ev.rule, ev.severity, ev.role,
+        ev.category, shared.text(ev.text), ev.context or NO_CONTEXT, shared.step_fields(ev.fields),
     )  # fmt: skip
 
 
-def share_empties(ev: Event, rank: int | None, file: str | None, texts: dict[str, str]) -> None:
+def share_empties(ev: Event, rank: int | None, file: str | None, shared: Shared) -> None:
     """Make a kept event hold the shared empty containers, the track's rank number and file name
-    where its own are equal, and the text equal events hold (``texts``): in place, since nothing a
-    reader sees changes."""
+    where its own are equal, and the job's name, text, time, offset and line number equal events
+    hold (``shared``): in place, since nothing a reader sees changes."""
     if not ev.context and ev.context is not NO_CONTEXT:
         ev.context = NO_CONTEXT
-    ev.text = texts.setdefault(ev.text, ev.text)
     if not ev.fields and ev.fields is not NO_FIELDS:
         ev.fields = NO_FIELDS
     if file is not None and ev.file is not file and ev.file == file:
         ev.file = file
     if rank is not None and ev.rank is not rank and ev.rank == rank:
         ev.rank = rank
+    ev.job, ev.text, ev.ts = shared.text(ev.job), shared.text(ev.text), shared.time(ev.ts)
+    ev.offset, ev.line_no = shared.number(ev.offset), shared.number(ev.line_no)
 
 
 @dataclass(slots=True)
