@@ -52,6 +52,7 @@ from denpexd.analysis.tracks import (
     Aggregates,
     NodeProgress,
     RankTrack,
+    Shared,
     StepFields,
     StepMax,
     aligned_order,
@@ -171,7 +172,8 @@ class Engine:
         track = self._track(ev.node, ev.rank)
         if track is not None:
             track.vote(ev)
-        key = (ev.node, ev.rank, rule)
+        # the track's rank number (equal to the event's): one int object per rank, not one per key
+        key = (ev.node, track.rank if track is not None else ev.rank, rule)
         agg = self.aggs.get(key)
         if agg is None:
             if not self._room_for(ev):
@@ -312,17 +314,24 @@ class Engine:
         """Hold less of what the analyses never read, the diagnosis unchanged (`denpexd serve`
         calls it after each diagnosis: a job of thousands of ranks keeps an event or two per
         rank): each rank's newest step line keeps only its step and planned total of its fields;
-        kept events share one empty context, one empty fields map, and their rank's number and
-        file name."""
-        shared: dict[Any, StepFields] = {}
+        kept events share one empty context, one empty fields map, their rank's number and file
+        name, and equal texts, times, offsets and line numbers (`analysis.tracks.Shared`:
+        thousands of ranks log the same step line or the same consequence)."""
+        shared = Shared()
         for (_node, rank), t in self.tracks.items():
             ev = t.last_progress
             if ev is not None and ev.fields.__class__ is not StepFields:
-                t.last_progress = compact_step(ev, rank, t.files.first, shared)
+                t.last_progress = compact_step(ev, rank, t.file, shared)
         tracks = self.tracks
         for (node, rank, _rule), agg in self.aggs.items():
             own = tracks.get((node, rank))
-            share_empties(agg.first, rank, own.files.first if own is not None else None)
+            share_empties(agg.first, rank, own.file if own is not None else None, shared)
+            agg.last_ts = shared.time(agg.last_ts)
+
+    def track_keys(self) -> dict[tuple[str, int | None], tuple[str, int | None]]:
+        """Each rank's track key, by an equal key: what a holder of equal (node, rank) tuples
+        needs to hold the engine's instead (the stall watch: one tuple per rank, not two)."""
+        return {k: k for k in self.tracks}
 
     def kept_step(self, ev: Event) -> Event:
         """The step line as its rank's track keeps it, if it is the track's newest (the stall

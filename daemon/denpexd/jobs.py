@@ -800,7 +800,11 @@ class JobTable:
             state.fresh, state.packed = None, zlib.compress(data, 1)
         state.engine.compact()
         if state.watch is not None:
-            state.watch.compact(state.engine.kept_step)
+            state.watch.compact(state.engine.kept_step, state.engine.track_keys())
+        if not state.hoisted:
+            # a set emptied by discards keeps the table of its largest size (a burst of thousands
+            # of ids hoisted at once) until cleared
+            state.hoisted.clear()
         await self.store.save_diagnosis(state.job, doc)
         return doc
 

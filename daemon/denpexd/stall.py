@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import statistics
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +39,7 @@ STALL_RULE = "job-progress-stalled"
 INTERVALS = 64  # recent step intervals the threshold is based on
 MIN_INTERVALS = 3  # ... and how many are needed before it adapts (the floor applies until then)
 MAX_LISTED = 16  # ranks listed in the stall's evidence (the ones behind first)
+Key = tuple[str, int | str]  # a rank: (node, global rank), or (node, file) for a file naming none
 
 
 @dataclass(slots=True)
@@ -58,14 +59,14 @@ class StallWatch:
 
     def __init__(self, *, factor: float, floor_s: float, pause_s: float) -> None:
         self.factor, self.floor_s, self.pause_s = factor, floor_s, pause_s
-        self.ranks: dict[tuple[str, int | str], Pace] = {}
+        self.ranks: dict[Key, Pace] = {}
         self.intervals: deque[float] = deque(maxlen=INTERVALS)
         self.last_advance = 0.0
         self.pause: tuple[Event, float] | None = None  # the announcement, and when it arrived
-        self.ended: dict[tuple[str, int | str], int] = {}  # a finished rank -> its last step
+        self.ended: dict[Key, int] = {}  # a finished rank -> its last step
 
     @staticmethod
-    def _key(ev: Event) -> tuple[str, int | str]:
+    def _key(ev: Event) -> Key:
         return ev.node, ev.rank if ev.rank is not None else ev.file
 
     def progress(self, ev: Event, now: float) -> None:
@@ -93,13 +94,17 @@ class StallWatch:
         if self.pause is not None and now > self.pause[1]:
             self.pause = None  # a step after the announcement: the pause is over
 
-    def compact(self, kept: Callable[[Event], Event]) -> None:
+    def compact(self, kept: Callable[[Event], Event], keys: Mapping[Any, Any] | None = None) -> None:
         """Hold each rank's line as ``kept`` gives it (the engine's compacted copy of the same
-        line: one object for both)."""
+        line: one object for both, and its time), and each rank's key as ``keys`` maps it (the
+        engine's equal key of the rank's track: one tuple for both; a job holds thousands)."""
         for pace in self.ranks.values():
             ev = pace.event
             if ev.fields.__class__ is not StepFields:
                 pace.event = kept(ev)
+                pace.ts = pace.event.ts
+        if keys is not None and any(keys.get(k, k) is not k for k in self.ranks):
+            self.ranks = {keys.get(k, k): pace for k, pace in self.ranks.items()}
 
     def marker(self, ev: Event, kind: str, now: float) -> None:
         if kind in ("pause", "checkpoint"):
@@ -117,7 +122,7 @@ class StallWatch:
         t = max(self.floor_s, self.factor * interval) if interval is not None else self.floor_s
         return max(t, self.pause_s) if self.pause is not None else t
 
-    def _behind_finished(self) -> list[tuple[str, int | str]]:
+    def _behind_finished(self) -> list[Key]:
         done = max(self.ended.values())
         return [k for k, p in self.ranks.items() if k not in self.ended and p.step < done]
 
@@ -151,7 +156,7 @@ class StallWatch:
             "last_steps": [self._rank_dict(k) for k in listed[:MAX_LISTED]],
         }
 
-    def _rank_dict(self, key: tuple[str, int | str]) -> dict[str, Any]:
+    def _rank_dict(self, key: Key) -> dict[str, Any]:
         p = self.ranks[key]
         ev = p.event
         return {

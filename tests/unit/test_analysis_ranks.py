@@ -12,7 +12,10 @@ from tests.unit.test_engine import T0, ev
 
 def _track(node: str, rank: int, files: dict[str, int], locals_: dict[int, int]) -> RankTrack:
     t = RankTrack(node, rank, NodeProgress())
-    t.files, t.locals = dict(files), dict(locals_)
+    for file, n in files.items():
+        t.vote_file(file, n)
+    for local, n in locals_.items():
+        t.vote_local(local, n)
     return t
 
 

@@ -59,7 +59,7 @@ def test_a_rank_track_follows_the_furthest_step_and_only_samples_feed_the_curve(
     assert track.last_step == 9 and track.last_progress is tip
     assert [s for s, _ in node.curve()] == [2, 3, 5]  # the tip is not a sample
     assert track.data_times is not None and sorted(track.data_times.values()) == [0.1, 0.2, 0.3]
-    assert track.files == {"a/rank0.log": 3}
+    assert track.votes()[0] == {"a/rank0.log": 3}
 
 
 def test_merging_a_track_takes_the_further_progress(unit_rules: RuleSet) -> None:

@@ -56,10 +56,12 @@ def test_a_compacted_step_line_keeps_what_is_read(library: RuleSet) -> None:
             watch.progress(ev, 100.0 + step)
     before = (engine.diagnose(), watch.check(200.0, 1.9e9))
     engine.compact()
-    watch.compact(engine.kept_step)
+    watch.compact(engine.kept_step, engine.track_keys())
     kept = engine.tracks[("n1", 1)].last_progress
     assert kept is not None and kept.fields == {"step": 2, "total": 10}
     assert kept.fields.__class__ is StepFields and kept.context is NO_CONTEXT
     assert kept.fields is engine.tracks[("n1", 2)].last_progress.fields  # type: ignore[union-attr]
     assert watch.ranks[("n1", 1)].event is kept  # one object for the engine and the watch
+    # ... and one key tuple per rank
+    assert {id(k) for k in watch.ranks} == {id(k) for k in engine.tracks}
     assert (engine.diagnose(), watch.check(200.0, 1.9e9)) == before

@@ -94,7 +94,7 @@ async def _run(tmp: Path, library: RuleSet, batches: list[wire.Batch], shortcut:
                 )
                 for k, t in engine.tracks.items()
             },
-            "votes": {k: (t.files, t.locals) for k, t in engine.tracks.items()},
+            "votes": {k: t.votes() for k, t in engine.tracks.items()},
             "events_seen": engine.events_seen,
             "diagnosis": engine.diagnose(),
             "stored": sorted(e.id for e in events),

@@ -32,9 +32,9 @@ def dominant(counts: dict[int, int]) -> int | None:
 def by_local(node: str, local_rank: int, tracks: Tracks) -> int | None:
     """The global rank the node's events name most often under this local rank."""
     counts = {
-        r: t.locals[local_rank]
+        r: votes
         for (n, r), t in tracks.items()
-        if n == node and r is not None and local_rank in t.locals
+        if n == node and r is not None and (votes := t.votes_for_local(local_rank))
     }
     return most_named(counts)
 
@@ -46,7 +46,9 @@ def resolve_rank(node: str, file: str, local_rank: int | None, tracks: Tracks) -
         if rank is not None:
             return rank
     by_file = {
-        r: t.files[file] for (n, r), t in tracks.items() if n == node and r is not None and file in t.files
+        r: votes
+        for (n, r), t in tracks.items()
+        if n == node and r is not None and (votes := t.votes_for_file(file))
     }
     return dominant(by_file)
 

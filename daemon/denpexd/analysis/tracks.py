@@ -11,7 +11,7 @@ import math
 import statistics
 from array import array
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from denpex_agent.events import Event
@@ -220,26 +220,56 @@ class StepFields(dict[str, Any]):
     __slots__ = ()
 
 
-def compact_step(ev: Event, rank: int | None, file: str | None, shared: dict[Any, StepFields]) -> Event:
-    """A rank's newest step line as the analyses read it: its fields cut to `STEP_FIELDS` (shared
-    through ``shared``), an empty context shared, the rank's number and file name (``rank``,
-    ``file``: equal values the track holds already) instead of copies."""
-    f = ev.fields
-    key = tuple((k, f[k].__class__, f[k]) for k in STEP_FIELDS if k in f)
-    fields = shared.get(key)
-    if fields is None:
-        fields = shared[key] = StepFields((k, v) for k, _, v in key)
+class Shared:
+    """One object for each distinct value among the events one compaction keeps (`compact_step`,
+    `share_empties`), instead of one per event: the ranks of a job run one program, so their
+    kept lines often have the same text, time (a second's resolution), line number or offset,
+    and a job keeps thousands of such lines. Values are shared only with values of their own
+    class, and no zero time (equal is not enough: 1 == 1.0, -0.0 == 0.0)."""
+
+    __slots__ = ("fields", "numbers", "texts", "times")
+
+    def __init__(self) -> None:
+        self.fields: dict[Any, StepFields] = {}
+        self.texts: dict[str, str] = {}
+        self.times: dict[float, float] = {}
+        self.numbers: dict[int, int] = {}
+
+    def step_fields(self, fields: dict[str, Any]) -> StepFields:
+        """The `STEP_FIELDS` of a step line's fields, as a map shared by equal ones."""
+        key = tuple((k, fields[k].__class__, fields[k]) for k in STEP_FIELDS if k in fields)
+        got = self.fields.get(key)
+        if got is None:
+            got = self.fields[key] = StepFields((k, v) for k, _, v in key)
+        return got
+
+    def text(self, text: str) -> str:
+        return self.texts.setdefault(text, text) if text.__class__ is str else text
+
+    def time(self, ts: float | None) -> float | None:
+        return self.times.setdefault(ts, ts) if ts.__class__ is float and ts else ts
+
+    def number(self, n: int) -> int:
+        return self.numbers.setdefault(n, n) if n.__class__ is int else n
+
+
+def compact_step(ev: Event, rank: int | None, file: str | None, shared: Shared) -> Event:
+    """A rank's newest step line as the analyses read it: its fields cut to `STEP_FIELDS`, an
+    empty context shared, the rank's number and file name (``rank``, ``file``: equal values the
+    track holds already) instead of copies, and its text, time, offset and line number shared
+    with equal ones (``shared``), and so is its job's name."""
     return Event(
-        ev.id, ev.kind, ev.job, ev.node, rank if rank == ev.rank else ev.rank, ev.local_rank,
-        file if file == ev.file and file is not None else ev.file, ev.offset, ev.line_no, ev.ts,
-        ev.ts_source, ev.rule, ev.severity, ev.role, ev.category, ev.text,
-        ev.context or NO_CONTEXT, fields,
+        ev.id, ev.kind, shared.text(ev.job), ev.node, rank if rank == ev.rank else ev.rank, ev.local_rank,
+        file if file == ev.file and file is not None else ev.file, shared.number(ev.offset),
+        shared.number(ev.line_no), shared.time(ev.ts), ev.ts_source, ev.rule, ev.severity, ev.role,
+        ev.category, shared.text(ev.text), ev.context or NO_CONTEXT, shared.step_fields(ev.fields),
     )  # fmt: skip
 
 
-def share_empties(ev: Event, rank: int | None, file: str | None) -> None:
-    """Make a kept event hold the shared empty containers and the track's rank number and file
-    name where its own are equal: in place, since nothing a reader sees changes."""
+def share_empties(ev: Event, rank: int | None, file: str | None, shared: Shared) -> None:
+    """Make a kept event hold the shared empty containers, the track's rank number and file name
+    where its own are equal, and the job's name, text, time, offset and line number equal events
+    hold (``shared``): in place, since nothing a reader sees changes."""
     if not ev.context and ev.context is not NO_CONTEXT:
         ev.context = NO_CONTEXT
     if not ev.fields and ev.fields is not NO_FIELDS:
@@ -248,62 +278,8 @@ def share_empties(ev: Event, rank: int | None, file: str | None) -> None:
         ev.file = file
     if rank is not None and ev.rank is not rank and ev.rank == rank:
         ev.rank = rank
-
-
-class Votes:
-    """How often each key (a file, a local rank) was seen: a counting map that stores its first
-    key inline and makes a dict only for a second one (memory: a rank almost always writes one
-    file under one local rank, and a job holds a track per rank)."""
-
-    __slots__ = ("_count", "_key", "_more")
-
-    def __init__(self) -> None:
-        self._key: Any = None
-        self._count = 0
-        self._more: dict[Any, int] | None = None
-
-    def add(self, key: Any) -> None:
-        if self._count and key == self._key:
-            self._count += 1
-        elif not self._count:
-            self._key, self._count = key, 1
-        else:
-            more = self._more
-            if more is None:
-                more = self._more = {}
-            more[key] = more.get(key, 0) + 1
-
-    def __contains__(self, key: object) -> bool:
-        return (self._count > 0 and key == self._key) or (self._more is not None and key in self._more)
-
-    def __getitem__(self, key: Any) -> int:
-        if self._count and key == self._key:
-            return self._count
-        if self._more is None:
-            raise KeyError(key)
-        return self._more[key]
-
-    @property
-    def first(self) -> Any:
-        """The first key seen (None: none)."""
-        return self._key
-
-    def to_dict(self) -> dict[Any, int]:
-        out = {self._key: self._count} if self._count else {}
-        out.update(self._more or {})
-        return out
-
-    def __eq__(self, other: object) -> bool:
-        if isinstance(other, Votes):
-            return self.to_dict() == other.to_dict()
-        if isinstance(other, dict):
-            return self.to_dict() == other
-        return NotImplemented
-
-    __hash__ = None  # type: ignore[assignment]
-
-    def __repr__(self) -> str:
-        return f"Votes({self.to_dict()!r})"
+    ev.job, ev.text, ev.ts = shared.text(ev.job), shared.text(ev.text), shared.time(ev.ts)
+    ev.offset, ev.line_no = shared.number(ev.offset), shared.number(ev.line_no)
 
 
 @dataclass(slots=True)
@@ -322,16 +298,61 @@ class RankTrack:
     # per value name (`SERIES`): the finite values of this rank's progress samples, by step
     series: dict[str, Series] | None = None
     # how many of this rank's events came from each file and under each local rank: the votes
-    # that give an event naming no global rank its rank (see analysis.ranks)
-    files: Votes = field(default_factory=Votes)
-    locals: Votes = field(default_factory=Votes)
+    # that give an event naming no global rank its rank (see analysis.ranks). The first file and
+    # the first local rank are counted in the track itself, others in a dict made for a second
+    # one (memory: a rank almost always writes one file under one local rank, and a job holds a
+    # track per rank, so two counting objects per track would be most of a track)
+    file: str | None = None  # the first file (None: no vote yet)
+    file_votes: int = 0
+    other_files: dict[str, int] | None = None
+    local: int | None = None  # the first local rank (None: no vote yet)
+    local_votes: int = 0
+    other_locals: dict[int, int] | None = None
     rule_events: int = 0  # rule events that named this rank (the rank table's count)
 
     def vote(self, ev: Event) -> None:
-        self.files.add(ev.file)
+        self.vote_file(ev.file)
         local = ev.local_rank
         if local is not None:
-            self.locals.add(local)
+            self.vote_local(local)
+
+    def vote_file(self, file: str, n: int = 1) -> None:
+        if not self.file_votes:
+            self.file = file
+        if file == self.file:
+            self.file_votes += n
+        else:
+            if self.other_files is None:
+                self.other_files = {}
+            self.other_files[file] = self.other_files.get(file, 0) + n
+
+    def vote_local(self, local: int, n: int = 1) -> None:
+        if not self.local_votes:
+            self.local = local
+        if local == self.local:
+            self.local_votes += n
+        else:
+            if self.other_locals is None:
+                self.other_locals = {}
+            self.other_locals[local] = self.other_locals.get(local, 0) + n
+
+    def votes_for_file(self, file: str) -> int:
+        """How many of this rank's events came from ``file`` (0: none)."""
+        if self.file_votes and file == self.file:
+            return self.file_votes
+        return self.other_files.get(file, 0) if self.other_files is not None else 0
+
+    def votes_for_local(self, local: int) -> int:
+        """How many of this rank's events named local rank ``local`` (0: none)."""
+        if self.local_votes and local == self.local:
+            return self.local_votes
+        return self.other_locals.get(local, 0) if self.other_locals is not None else 0
+
+    def votes(self) -> tuple[dict[str, int], dict[int, int]]:
+        """Every file's and every local rank's votes, as two maps."""
+        files = {self.file: self.file_votes} if self.file_votes and self.file is not None else {}
+        locals_ = {self.local: self.local_votes} if self.local_votes and self.local is not None else {}
+        return files | (self.other_files or {}), locals_ | (self.other_locals or {})
 
     @property
     def samples(self) -> list[tuple[int, float]]:
@@ -381,7 +402,8 @@ class RankTrack:
             self.node, self.rank, self.progress, self.last_step, self.last_step_ts, self.last_progress
         )
         dup.merge(self)
-        dup.files, dup.locals = self.files, self.locals  # read-only from here on
+        dup.file, dup.file_votes, dup.other_files = self.file, self.file_votes, self.other_files
+        dup.local, dup.local_votes, dup.other_locals = self.local, self.local_votes, self.other_locals
         dup.rule_events = self.rule_events
         return dup
 
