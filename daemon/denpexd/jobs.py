@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import re
 import time
 import zlib
 from collections import Counter, OrderedDict, deque
@@ -101,22 +102,37 @@ def _stalled(doc: dict[str, Any]) -> bool:
     return doc.get("stall") is not None and (doc.get("root_cause") or {}).get("rule") == STALL_RULE
 
 
+def id_key(eid: str) -> int | str:
+    """An event id as the window keeps it: the agents' ids are 24 hex digits, kept as the number
+    they spell (an int of 40 bytes instead of a string of 73, exact: no two ids share a key);
+    any other id is kept as it is."""
+    if len(eid) == ID_HEX_DIGITS and _ID_HEX(eid) is not None:
+        return int(eid, 16)
+    return eid
+
+
+ID_HEX_DIGITS = 24  # `events.event_id`: a 12-byte digest in lowercase hex
+# exactly that form (`int(x, 16)` also takes upper case, a 0x prefix, underscores and spaces:
+# other strings that would spell the same number)
+_ID_HEX = re.compile(r"[0-9a-f]{24}").fullmatch
+
+
 class IdWindow:
     """The ids of a job's latest `limit` new events, to drop re-sends: the oldest leaves first.
-    A plain dict and a queue of the same strings (an `OrderedDict` costs a linked-list node per
-    id on top of its table, a set's table is twice a dict's, and a job holds hundreds of
+    A plain dict and a queue of the same keys (`id_key`; an `OrderedDict` costs a linked-list
+    node per id on top of its table, a set's table is twice a dict's, and a job holds hundreds of
     thousands of ids)."""
 
     __slots__ = ("ids", "order")
 
     def __init__(self) -> None:
-        self.ids: dict[str, None] = {}
-        self.order: deque[str] = deque()
+        self.ids: dict[int | str, None] = {}
+        self.order: deque[int | str] = deque()
 
     def __contains__(self, eid: str) -> bool:
-        return eid in self.ids
+        return id_key(eid) in self.ids
 
-    def __iter__(self) -> Iterator[str]:
+    def __iter__(self) -> Iterator[int | str]:
         return iter(self.order)
 
     def __len__(self) -> int:
@@ -124,15 +140,17 @@ class IdWindow:
 
     def add(self, eid: str, limit: int) -> None:
         """Take a new id (not in the window)."""
-        self.ids[eid] = None
+        key = id_key(eid)
+        self.ids[key] = None
         order = self.order
-        order.append(eid)
+        order.append(key)
         while len(order) > limit:
             del self.ids[order.popleft()]
 
     def discard(self, eid: str) -> None:
-        if self.ids.pop(eid, 0) is None:
-            self.order.remove(eid)
+        key = id_key(eid)
+        if self.ids.pop(key, 0) is None:
+            self.order.remove(key)
 
 
 class Bus(Protocol):
@@ -636,7 +654,7 @@ class JobTable:
         accepted: list[Event] = []
         newest: float | None = None
         for ev in batch.events:
-            eid = ev.id
+            eid = id_key(ev.id)
             if eid in ids:
                 continue
             ids[eid] = None  # IdWindow.add, inline: the bulk of the traffic
