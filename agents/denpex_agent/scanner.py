@@ -254,11 +254,7 @@ class LineScanner:
         window = tail[-QUIET_WINDOW:]
         if len(tail) > QUIET_WINDOW:
             window = window[window.find(b"\n") + 1 :]
-        last = None
-        for size in (1024, 8192, len(window)):
-            last = self.matcher.last_progress(window, max(len(window) - size, 0), len(window))
-            if last is not None or size >= len(window):
-                break
+        last = self._last_step_line(window, (1024, 8192, len(window)))
         pos = window.rfind(b"\n", 0, last.start) + 1 if last is not None else 0
         found = None
         for _ in range(TS_LOOKBACK_LINES):
@@ -266,8 +262,7 @@ class LineScanner:
                 break
             end = window.find(b"\n", pos)
             end = len(window) if end < 0 else end
-            seg = window[pos : min(end, pos + 200)].decode("utf-8", "replace")
-            found = parse_timestamp(seg, self.source.default_year, self.source.ref_epoch)
+            found = self._line_ts(window, pos, end)
             if found is not None:
                 break
             pos = end + 1
@@ -722,12 +717,16 @@ class LineScanner:
             if end <= 0:
                 return None
             start = buf.rfind(b"\n", 0, end - 1) + 1
-            seg = buf[start : min(end, start + 200)].decode("utf-8", "replace")
-            ts = parse_timestamp(seg, self.source.default_year, self.source.ref_epoch)
+            ts = self._line_ts(buf, start, end)
             if ts is not None:
                 return ts
             end = start
         return None
+
+    def _line_ts(self, buf: bytes, start: int, end: int) -> float | None:
+        """The timestamp at the head of the line ``buf[start:end]`` (its first 200 bytes), if any."""
+        seg = buf[start : min(end, start + 200)].decode("utf-8", "replace")
+        return parse_timestamp(seg, self.source.default_year, self.source.ref_epoch)
 
     def _context(self, buf: bytes, pos: int) -> list[str]:
         """The lines before ``pos`` (a line start), from the buffer and then the tail."""
@@ -882,11 +881,7 @@ class LineScanner:
         whole tail need not be joined."""
         if len(self._segments) > 1:
             newest = self._segments[-1]
-            last = None
-            for window in (1024, 8192):
-                last = self.matcher.last_progress(newest, max(len(newest) - window, 0), len(newest))
-                if last is not None or window >= len(newest):
-                    break
+            last = self._last_step_line(newest, (1024, 8192))
             if last is not None:
                 offset = self._base - len(newest) + last.start
                 if offset == self._last_progress_offset:
@@ -896,11 +891,7 @@ class LineScanner:
         tail = self._tail
         if not tail:
             return []
-        last = None
-        for window in (1024, 8192, 65536, len(tail)):
-            last = self.matcher.last_progress(tail, max(len(tail) - window, 0), len(tail))
-            if last is not None or window >= len(tail):
-                break
+        last = self._last_step_line(tail, (1024, 8192, 65536, len(tail)))
         if last is None:
             return []
         offset = self._base - len(tail) + last.start
@@ -908,6 +899,15 @@ class LineScanner:
             return []
         line_no = self._line_no - tail.count(b"\n", last.start)
         return [self._make_progress(last, offset, line_no, tail, tip=True)]
+
+    def _last_step_line(self, buf: bytes, windows: tuple[int, ...]) -> Hit | None:
+        """The last step line in ``buf``, looked for in its last ``windows`` bytes, each window
+        wider than the one before (the line is usually near the end: no need to scan it all)."""
+        for window in windows:
+            last = self.matcher.last_progress(buf, max(len(buf) - window, 0), len(buf))
+            if last is not None or window >= len(buf):
+                return last
+        return None
 
     def _progress_event(self, buf: bytes, hit: Hit, counter: _LineCounter) -> Event:
         return self._make_progress(hit, self._base + hit.start, counter.line_at(hit.start), buf)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -35,7 +36,7 @@ from denpexd.analysis.fingerprints import LOSS_SCALE_DROPS_DEGRADED, nan_fingerp
 from denpexd.analysis.hang import HANG_RULE, hang_suspect, unresolved_stalls
 from denpexd.analysis.identity import DUPLICATE_RULE, Claims, add_claim, duplicate_ranks
 from denpexd.analysis.matches import matches
-from denpexd.analysis.quiet import PAUSES, LogTimes, logged_stall, note_log_time, note_pause, step_interval
+from denpexd.analysis.quiet import PAUSES, LogTimes, logged_stall, note_log_time, note_pause
 from denpexd.analysis.scope import job_wide
 from denpexd.analysis.story import (
     KILLED_RULE,
@@ -407,8 +408,10 @@ class Engine:
             pool, tied = hang_suspect(aggs, tracks, aligned)
         if failing and not pool:
             pool = witnesses(failing, tracks, aligned, nodes)
-        seen = {(n, r) for n, r in tracks if r is not None} | {(n, r) for n, r, _ in aggs if r is not None}
-        ranked = rank_candidates(pool, clocks, tied, weak=weak, generic=generic, lone=len(seen) <= 1)
+        # every rank an aggregate names has a track (beyond MAX_TRACKS there are many): a second
+        # ranked track is a second rank in the logs
+        lone = sum(1 for _ in itertools.islice((k for k in tracks if k[1] is not None), 2)) <= 1
+        ranked = rank_candidates(pool, clocks, tied, weak=weak, generic=generic, lone=lone)
         initiator = ranked[0] if ranked else None
         if initiator is not None and initiator[0].rank is None and initiator[0].kind == "event":
             rank = witnessed_rank(initiator[0], failing, tracks, aligned, nodes)
@@ -445,11 +448,7 @@ class Engine:
         # no error, but the logs went on long after the last step: stuck without a word
         quiet = (
             logged_stall(
-                self.log_times,
-                aligned,
-                step_interval(p.curve() for p in self.progress.values()),
-                finished,
-                self.pauses,
+                self.log_times, aligned, (p.curve() for p in self.progress.values()), finished, self.pauses
             )
             if not failing and collapsed is None
             else None

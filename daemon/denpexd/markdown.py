@@ -299,19 +299,22 @@ def _trends(trends: list[dict[str, Any]]) -> list[str]:
     return _section("Trends (against the job's own history)", table(head, rows) if rows else [])
 
 
+def _sentence(line: str) -> str:
+    """A docview sentence (lower case first) as a paragraph of its own."""
+    return text(line[:1].upper() + line[1:])
+
+
 def _logged_stall(quiet: dict[str, Any] | None) -> list[str]:
     if not quiet:
         return []
-    line = logged_stall_line(quiet)
-    return _section("Stalled without an error", [text(line[:1].upper() + line[1:])])
+    return _section("Stalled without an error", [_sentence(logged_stall_line(quiet))])
 
 
 def _checkpoint_stall(ckpt: dict[str, Any] | None) -> list[str]:
     if not ckpt:
         return []
-    line = checkpoint_stall_line(ckpt)
     body = [
-        text(line[:1].upper() + line[1:]),
+        _sentence(checkpoint_stall_line(ckpt)),
         "",
         f"> {text(ckpt['time'])} {span(ckpt['text'])}",
     ]

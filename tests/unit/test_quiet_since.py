@@ -133,32 +133,34 @@ def test_the_newest_report_of_each_node_is_kept() -> None:
 
 def test_a_silence_longer_than_the_threshold_is_a_stall() -> None:
     times = {"a": (T0 + FLOOR_S + 60, T0), "b": (T0 + 30, None)}
-    got = logged_stall(times, _aligned, None, None)
+    got = logged_stall(times, _aligned, [], None)
     assert got is not None and got["silent_s"] == FLOOR_S + 60 and got["threshold_s"] == FLOOR_S
-    assert logged_stall({"a": (T0 + FLOOR_S - 1, T0)}, _aligned, None, None) is None
+    assert logged_stall({"a": (T0 + FLOOR_S - 1, T0)}, _aligned, [], None) is None
 
 
 def test_the_latest_node_to_step_decides_and_slow_steps_raise_the_threshold() -> None:
     times = {"a": (T0 + 2 * FLOOR_S, T0), "b": (T0 + 2 * FLOOR_S, T0 + 1.5 * FLOOR_S)}
-    assert logged_stall(times, _aligned, None, None) is None
-    assert logged_stall({"a": (T0 + 2 * FLOOR_S, T0)}, _aligned, 0.3 * FLOOR_S, None) is None
+    assert logged_stall(times, _aligned, [], None) is None
+    assert (
+        logged_stall({"a": (T0 + 2 * FLOOR_S, T0)}, _aligned, [[(1, 0.0), (2, 0.3 * FLOOR_S)]], None) is None
+    )
 
 
 def test_a_finished_job_or_one_without_steps_is_not_stalled() -> None:
-    assert logged_stall({"a": (T0 + 10 * FLOOR_S, T0)}, _aligned, None, True) is None
-    assert logged_stall({"a": (T0 + 10 * FLOOR_S, None)}, _aligned, None, None) is None
+    assert logged_stall({"a": (T0 + 10 * FLOOR_S, T0)}, _aligned, [], True) is None
+    assert logged_stall({"a": (T0 + 10 * FLOOR_S, None)}, _aligned, [], None) is None
 
 
 def test_an_announced_pause_after_the_last_step_waits_longer() -> None:
     times = {"a": (T0 + FLOOR_S + 60, T0)}
     pauses: dict[str, float] = {}
     note_pause(pauses, "a", T0 - 30)  # announced before the last step: over
-    assert logged_stall(times, _aligned, None, None, pauses) is not None
+    assert logged_stall(times, _aligned, [], None, pauses) is not None
     note_pause(pauses, "a", T0 + 5)  # an evaluation began after it: it may take PAUSE_S
     note_pause(pauses, "a", T0 - 60)  # an older one changes nothing
     assert pauses == {"a": T0 + 5}
-    assert logged_stall(times, _aligned, None, None, pauses) is None
-    got = logged_stall({"a": (T0 + PAUSE_S + 1, T0)}, _aligned, None, None, pauses)
+    assert logged_stall(times, _aligned, [], None, pauses) is None
+    got = logged_stall({"a": (T0 + PAUSE_S + 1, T0)}, _aligned, [], None, pauses)
     assert got is not None and got["threshold_s"] == PAUSE_S
 
 

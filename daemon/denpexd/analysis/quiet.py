@@ -61,12 +61,13 @@ def step_interval(curves: Iterable[list[tuple[int, float]]]) -> float | None:
 def logged_stall(
     times: LogTimes,
     aligned: Callable[[str, float | None], float | None],
-    interval: float | None,
+    curves: Iterable[list[tuple[int, float]]],
     finished: bool | None,
     pauses: dict[str, float] | None = None,
 ) -> dict[str, Any] | None:
-    """The stall the logs show (see the module's docstring), or None. ``pauses``: each node's
-    newest announced pause (local time)."""
+    """The stall the logs show (see the module's docstring), or None. ``curves``: every node's
+    step curve (`step_interval`, read only for a silence past the floor); ``pauses``: each
+    node's newest announced pause (local time)."""
     if finished or not times:
         return None
     quiet = [q for node, (_end, since) in times.items() if (q := aligned(node, since)) is not None]
@@ -74,11 +75,14 @@ def logged_stall(
         return None
     since = max(quiet)
     until = max(t for node, (end, _since) in times.items() if (t := aligned(node, end)) is not None)
+    silent = until - since
+    if silent <= FLOOR_S:  # the threshold is never lower: the step gaps need not be looked at
+        return None
+    interval = step_interval(curves)
     threshold = max(FLOOR_S, FACTOR * interval) if interval is not None else FLOOR_S
     paused = any((t := aligned(node, ts)) is not None and t >= since for node, ts in (pauses or {}).items())
     if paused:
         threshold = max(threshold, PAUSE_S)
-    silent = until - since
     if silent <= threshold:
         return None
     return {
