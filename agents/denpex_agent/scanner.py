@@ -32,8 +32,6 @@ from typing import Any
 
 from denpex_agent.attribution import (
     FILE_RANK_TAG,
-    has_prefix,
-    line_rank,
     line_rank_prefixed,
     stream_key,
     strip_prefix,
@@ -182,6 +180,7 @@ class LineScanner:
         self._track_tags = source.rank is None
         self._tag_offsets: list[int] = []
         self._tag_counts: dict[int, int] = {}
+        self._tag_best: int | None = None  # the most counted rank so far (the lowest among equals)
         self._dominant: list[int | None] = [None]
         # torchrun's rendezvous results seen so far: (file offset, local rank -> global rank)
         self._rank_maps: list[tuple[int, dict[int, int]]] = []
@@ -194,6 +193,7 @@ class LineScanner:
         self.progress_interval = progress_interval
         self._clock = clock
         self._progress_seen_upto = start_offset
+        self._tip_from = -1  # file offset up to which `_newest_progress` searched (-1: nothing yet)
         self._last_emit = -1e18
         self._quiet: tuple[int, float | None] = (-1, None)  # (offset it was computed at, value)
 
@@ -807,13 +807,17 @@ class LineScanner:
     def _add_tags(self, data: bytes, base: int) -> None:
         """Count the tags in ``data`` (file offset ``base``) that were not counted yet."""
         start = self._tag_offsets[-1] + 1 - base if self._tag_offsets else 0
-        counts, dominant = self._tag_counts, self._dominant
+        counts, dominant, offsets = self._tag_counts, self._dominant, self._tag_offsets
+        best = self._tag_best
         for m in FILE_RANK_TAG.finditer(data, max(start, 0)):
             rank = int(m.group(1))
-            counts[rank] = counts.get(rank, 0) + 1
-            self._tag_offsets.append(base + m.start())
-            best = min(counts, key=lambda r: (-counts[r], r))
-            dominant.append(best if counts[best] >= DOMINANT_SHARE * len(self._tag_offsets) else None)
+            n = counts[rank] = counts.get(rank, 0) + 1
+            offsets.append(base + m.start())
+            # the most counted rank (the lowest among equals): only this rank's count moved
+            if best is None or n > counts[best] or (n == counts[best] and rank < best):
+                best = rank
+            dominant.append(best if counts[best] >= DOMINANT_SHARE * len(offsets) else None)
+        self._tag_best = best
 
     # -- progress -----------------------------------------------------------------------------
 
@@ -876,36 +880,36 @@ class LineScanner:
         return events
 
     def _newest_progress(self) -> list[Event]:
-        """The last step line in the processed tail, unless it was already sent. The newest
-        segment (the last read) is searched alone first: usually it holds the line, and the
-        whole tail need not be joined."""
-        if len(self._segments) > 1:
-            newest = self._segments[-1]
-            last = self._last_step_line(newest, (1024, 8192))
-            if last is not None:
-                offset = self._base - len(newest) + last.start
-                if offset == self._last_progress_offset:
-                    return []
-                line_no = self._line_no - newest.count(b"\n", last.start)
-                return [self._make_progress(last, offset, line_no, newest, tip=True)]
-        tail = self._tail
-        if not tail:
+        """The last step line in the processed tail, unless it was already sent. Only the bytes
+        processed since the last search are searched: a step line before them was the answer
+        then (sent then, or already sent), and a file that logs no step lines is not searched
+        again and again. The newest segment (the last read) usually holds all of them, and the
+        tail need not be joined."""
+        fresh = self._base - max(self._tip_from, self._base - self._segments_len)
+        self._tip_from = self._base
+        if fresh <= 0:
             return []
-        last = self._last_step_line(tail, (1024, 8192, 65536, len(tail)))
+        buf = self._segments[-1]
+        last = self._last_step_line(buf, (1024, 8192, 65536, len(buf)), max(len(buf) - fresh, 0))
+        if last is None and fresh > len(buf):
+            buf = self._tail
+            last = self._last_step_line(buf, (65536, len(buf)), max(len(buf) - fresh, 0))
         if last is None:
             return []
-        offset = self._base - len(tail) + last.start
+        offset = self._base - len(buf) + last.start
         if offset == self._last_progress_offset:
             return []
-        line_no = self._line_no - tail.count(b"\n", last.start)
-        return [self._make_progress(last, offset, line_no, tail, tip=True)]
+        line_no = self._line_no - buf.count(b"\n", last.start)
+        return [self._make_progress(last, offset, line_no, buf, tip=True)]
 
-    def _last_step_line(self, buf: bytes, windows: tuple[int, ...]) -> Hit | None:
-        """The last step line in ``buf``, looked for in its last ``windows`` bytes, each window
-        wider than the one before (the line is usually near the end: no need to scan it all)."""
+    def _last_step_line(self, buf: bytes, windows: tuple[int, ...], lo: int = 0) -> Hit | None:
+        """The last step line in ``buf[lo:]``, looked for in its last ``windows`` bytes, each
+        window wider than the one before (the line is usually near the end: no need to scan it
+        all). ``lo`` is a line start."""
         for window in windows:
-            last = self.matcher.last_progress(buf, max(len(buf) - window, 0), len(buf))
-            if last is not None or window >= len(buf):
+            start = max(len(buf) - window, lo)
+            last = self.matcher.last_progress(buf, start, len(buf))
+            if last is not None or start <= lo:
                 return last
         return None
 
@@ -1044,8 +1048,8 @@ def stall_fields(lines: list[str]) -> dict[str, Any]:
 def _tagged_rank(line: str) -> int | None:
     """The rank a line's launcher prefix or a bracketed ``[rank3]``/``[Rank 3]`` tag names (not a
     rank the prose mentions, as in "waiting for rank 0")."""
-    rank, _local = line_rank(line)
-    if rank is None or has_prefix(line) or _RANK_TAG.search(line, 0, 160):
+    rank, _local, prefixed = line_rank_prefixed(line)
+    if rank is None or prefixed or _RANK_TAG.search(line, 0, 160):
         return rank
     return None
 
