@@ -158,6 +158,8 @@ FAMILY_RULES = (
     "multiprocessing-semaphore-failed",
     "dataloader-timeout",
     "megatron-nan-grad-norm",
+    # fifth round
+    "hf-checkpoint-staging-rename-race",
 )
 MIN_SOURCES = 3
 
