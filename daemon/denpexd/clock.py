@@ -55,20 +55,42 @@ def _interpolate(curve: list[tuple[int, float]], steps: list[int], step: int) ->
     return t0 + (t1 - t0) * (step - s0) / (s1 - s0)
 
 
+class Reference:
+    """A reference curve ready for `estimate_offset`: its steps in order, and its time at each
+    (nodes mostly sample the reference's own steps: looked up, not searched)."""
+
+    __slots__ = ("at", "curve", "steps")
+
+    def __init__(self, curve: list[tuple[int, float]]) -> None:
+        self.curve = curve
+        self.steps = [s for s, _ in curve]
+        self.at = dict(curve)
+
+    def time(self, step: int) -> float | None:
+        """The reference's time at ``step``, interpolated between its neighbours; None outside."""
+        got = self.at.get(step)
+        return got if got is not None else _interpolate(self.curve, self.steps, step)
+
+
 def estimate_offset(
-    curve: list[tuple[int, float]], ref: list[tuple[int, float]]
+    curve: list[tuple[int, float]], ref: list[tuple[int, float]] | Reference
 ) -> tuple[float, float, int] | None:
     """(offset, uncertainty, samples) of ``curve`` against ``ref``, or None with too little overlap."""
-    ref_steps = [s for s, _ in ref]
+    if not isinstance(ref, Reference):
+        ref = Reference(ref)
+    at, time = ref.at, ref.time
     diffs: list[float] = []
     for step, ts in curve:
-        rts = _interpolate(ref, ref_steps, step)
-        if rts is not None:
-            diffs.append(ts - rts)
+        rts = at.get(step)
+        if rts is None:
+            rts = time(step)
+            if rts is None:
+                continue
+        diffs.append(ts - rts)
     if len(diffs) < MIN_COMMON:
         return None
     offset = statistics.median(diffs)
-    mad = statistics.median(abs(d - offset) for d in diffs)
+    mad = statistics.median([abs(d - offset) for d in diffs])
     return offset, 1.4826 * mad + RESOLUTION_S, len(diffs)
 
 
@@ -91,11 +113,12 @@ def align(
     if reference is None or reference not in with_progress:
         reference = max(with_progress, key=lambda n: (len(curves[n]), _neg(n)), default=None)
     out: dict[str, ClockEstimate] = {}
+    ref = Reference(curves[reference]) if reference is not None else None
     for n in nodes:
         if n == reference:
             out[n] = ClockEstimate(0.0, RESOLUTION_S, "reference", len(curves[n]))
             continue
-        est = estimate_offset(curves[n], curves[reference]) if reference is not None else None
+        est = estimate_offset(curves[n], ref) if ref is not None else None
         if est is not None:
             out[n] = ClockEstimate(est[0], est[1], "progress", est[2])
         elif n in agent_offsets and (reference is None or reference in agent_offsets):

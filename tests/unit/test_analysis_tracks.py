@@ -5,6 +5,9 @@ from __future__ import annotations
 import dataclasses
 import random
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from denpex_agent.rules import RuleSet
 from denpexd.analysis.tracks import (
     MAX_SAMPLES,
@@ -14,6 +17,7 @@ from denpexd.analysis.tracks import (
     StepSamples,
     event_order,
 )
+from denpexd.clock import node_curve
 from tests.unit.test_engine import T0, ev
 
 
@@ -71,3 +75,37 @@ def test_merging_a_track_takes_the_further_progress(unit_rules: RuleSet) -> None
     dup.merge(ahead)
     assert (dup.last_step, dup.last_progress) == (4, e2)
     assert behind.last_step == 1  # the copy is merged, not the original
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.one_of(
+            st.tuples(st.integers(0, 3 * MAX_SAMPLES), st.floats(0, 1e6)),  # a sample
+            st.just(None),  # a look at the curve (a diagnosis) in between
+        ),
+        max_size=300,
+    ),
+    st.integers(0, 2**32),
+)
+def test_a_node_curve_kept_between_looks_equals_one_computed_afresh(ops: list, seed: int) -> None:
+    """The curve is cached and only the steps sampled since the last look are computed again:
+    whatever the order of samples and looks (thinning included), every look gives what
+    `clock.node_curve` gives from all samples kept, and an earlier look's list is not changed."""
+    node = NodeProgress()
+    rng = random.Random(seed)
+    # then enough distinct steps to thin the node's samples, with looks in between
+    for step in rng.sample(range(4 * MAX_SAMPLES), rng.randrange(2 * MAX_SAMPLES)):
+        ops.append((step, rng.random()))
+        if rng.random() < 0.01:
+            ops.append(None)
+    looked: list[tuple[list[tuple[int, float]], list[tuple[int, float]]]] = []
+    for op in ops:
+        if op is None:
+            got = node.curve()
+            looked.append((got, list(got)))
+            assert got == node_curve(node.samples())
+        else:
+            node.add(*op)
+    assert node.curve() == node_curve(node.samples())
+    assert all(got == copy for got, copy in looked)

@@ -4,6 +4,7 @@ agent's events, and every rejection the protocol names is refused with the bound
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import orjson
@@ -235,3 +236,41 @@ def test_what_an_agent_encodes_decodes_to_the_same_events(events: list[Event], s
     b = wire.decode_batch(wire.encode_batch("a1", "job-1", "n1", seq, 2.5, events, behind), "job-1")
     assert (b.agent, b.seq, b.sent_at, b.behind) == ("a1", seq, 2.5, behind)
     assert b.events == events
+
+
+def _escape_some(text: str, picks: list[bool]) -> str:
+    """JSON string contents with some characters written as \\uXXXX (as any encoder may)."""
+    return "".join(
+        f"\\u{ord(c):04x}" if pick else c for c, pick in zip(text, picks + [False] * len(text), strict=False)
+    )
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.sampled_from(KINDS), min_size=1, max_size=6),
+    st.lists(st.booleans(), max_size=5),
+    st.text(max_size=40),
+    st.booleans(),
+)
+def test_a_batch_holding_a_match_event_is_always_taken_for_urgent(
+    kinds: list[str], picks: list[bool], text: str, ascii_only: bool
+) -> None:
+    """The daemon's read path validates first the batches that may hold a match event
+    (`ingest.may_carry_match`, a byte search before any parsing): never False for a batch that
+    holds one, however the sender spelled the kind (escaped letters) or the texts."""
+    from denpexd.ingest import may_carry_match
+
+    evs = [dict(_event(i), kind=k, text=text) for i, k in enumerate(kinds)]
+    doc = _batch(evs)
+    # non-ASCII text as \u escapes, or as UTF-8
+    raw = (
+        json.dumps(doc, ensure_ascii=True, separators=(",", ":"))
+        if ascii_only
+        else orjson.dumps(doc).decode()
+    )
+    raw = raw.replace('"kind":"match"', f'"kind":"{_escape_some("match", picks)}"')
+    payload = raw.encode()
+    batch = wire.decode_batch(payload, "job-1")
+    assert [e.kind for e in batch.events] == kinds
+    if "match" in kinds:
+        assert may_carry_match(payload)

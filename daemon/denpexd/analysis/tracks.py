@@ -177,33 +177,52 @@ class NodeProgress(StepSamples):
 
     Clock alignment only needs the node's curve (the median time per step over its ranks), so
     samples are kept per node, not per rank: memory grows with nodes and steps, bounded as
-    `StepSamples` bounds it. The curve is cached until the node changes.
+    `StepSamples` bounds it. The curve is cached; a step that gets a sample afterwards is marked,
+    and only the marked steps' medians are computed again (a long job's node holds up to
+    `MAX_SAMPLES` steps, and a live job is diagnosed every second or so while a few of them move).
     """
 
-    __slots__ = ("_curve",)
+    __slots__ = ("_curve", "_dirty")
 
     def __init__(self) -> None:
         super().__init__()
         self._curve: list[tuple[int, float]] | None = None
+        self._dirty: set[int] | None = None  # steps sampled since `_curve` was computed
 
     def add(self, step: int, value: float) -> bool:
-        kept = super().add(step, value)
-        if kept:
-            self._curve = None
-        return kept
+        values = self.by_step.get(step)
+        if values is not None:  # a step another rank of the node logged already: the common case
+            values.append(value)
+        elif not super().add(step, value):
+            return False
+        if self._curve is not None:
+            dirty = self._dirty
+            if dirty is None:
+                self._dirty = {step}
+            else:
+                dirty.add(step)
+        return True
 
     def _thin(self) -> None:
         super()._thin()
-        self._curve = None
+        self._curve, self._dirty = None, None
 
     def samples(self) -> list[tuple[int, float]]:
         return [(s, t) for s, times in self.by_step.items() for t in times]
 
     def curve(self) -> list[tuple[int, float]]:
-        """The node's curve, as `clock.node_curve` computes it from `samples()`."""
-        if self._curve is None:
-            self._curve = [(s, statistics.median(self.by_step[s])) for s in sorted(self.by_step)]
-        return self._curve
+        """The node's curve, as `clock.node_curve` computes it from `samples()` (a new list
+        whenever it changed: a caller may keep the one it got)."""
+        by_step, curve, dirty = self.by_step, self._curve, self._dirty
+        if curve is None:
+            curve = [(s, statistics.median(by_step[s])) for s in sorted(by_step)]
+        elif dirty:
+            old = dict(curve)  # every step not marked was in the curve (new steps are marked)
+            curve = [(s, statistics.median(by_step[s]) if s in dirty else old[s]) for s in sorted(by_step)]
+        else:
+            return curve
+        self._curve, self._dirty = curve, None
+        return curve
 
 
 # What kept events share instead of one empty container each (a job keeps thousands of events):
@@ -371,11 +390,21 @@ class RankTrack:
             )
         ):
             self.last_step, self.last_step_ts, self.last_progress = step, ts, ev
-        if ev.fields.get("tip"):
+        fields = ev.fields
+        if fields.get("tip"):
             return
         if self.rank is not None:
-            self.vote(ev)
-        fields = ev.fields
+            # `vote`, with the common case inline: the rank's first file and local rank again
+            file, local = ev.file, ev.local_rank
+            if self.file_votes and file == self.file:
+                self.file_votes += 1
+            else:
+                self.vote_file(file)
+            if local is not None:
+                if self.local_votes and local == self.local:
+                    self.local_votes += 1
+                else:
+                    self.vote_local(local)
         if "data_time" in fields or "step_time" in fields:
             for name in SERIES:
                 v = fields.get(name)
