@@ -13,32 +13,34 @@ import re
 import sys
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeGuard
+from typing import Annotated, Any, Literal, TypeGuard
 
 import msgspec
 import orjson
 from msgspec import Meta
 
 from denpex_agent.errors import DenpexAgentError
-from denpex_agent.events import KINDS, TS_SOURCES, Event
-from denpex_agent.rules import CATEGORIES, PROGRESS_CATEGORY, ROLES, SEVERITIES
-from denpex_agent.timestamps import SANE_MAX, SANE_MIN
+from denpex_agent.events import (  # noqa: F401  (the bounds are the protocol's, named here too)
+    MAX_CONTEXT_LINES,
+    MAX_COUNTER,
+    MAX_FIELD_FLOAT,
+    MAX_FIELD_INT,
+    MAX_FIELD_TEXT,
+    MAX_FIELDS,
+    MAX_ID_LEN,
+    MAX_TEXT,
+    NOT_GIVEN,
+    TS_MAX,
+    TS_MIN,
+    Event,
+)
 
 VERSION = 1
 PREFIX = "denpex/v1"
-MAX_ID_LEN = 128
 MAX_BATCH_BYTES = 1 << 20  # hard limit a receiver enforces; senders aim well below
 MAX_EVENTS = 10_000
-MAX_TEXT = 64 * 1024
-MAX_CONTEXT_LINES = 200
-MAX_FIELDS = 32
 MAX_BEHIND = 1 << 53  # bytes; any larger value is not a real backlog
-# Bounds at the edge: what no real agent sends, refused before it reaches an engine
-TS_MIN, TS_MAX = SANE_MIN, SANE_MAX  # an event's timestamp: 2000-01-01 to 2100-01-01 (UTC)
-MAX_COUNTER = 1 << 62  # offsets, line numbers, sequence numbers
-MAX_FIELD_INT = 1 << 53  # an integer field (a step, a rank, a signal)
-MAX_FIELD_FLOAT = 1e300  # a float field's magnitude (a loss may be huge, never infinite)
-MAX_FIELD_TEXT = 1024
+# An event's own bounds (MAX_TEXT, MAX_FIELDS, TS_MIN, ...) are its type's: see denpex_agent.events
 MAX_CLOCK_OFFSET_S = 86_400.0  # an agent's clock offset and its uncertainty: at most a day
 _CLOCK_FIELDS = ("clock_offset_s", "clock_uncertainty_s")
 
@@ -204,60 +206,15 @@ def check_sender(topic: Topic, agent: str, node: str) -> None:
 
 # Batches -----------------------------------------------------------------------------------------
 #
-# One pass: msgspec decodes the JSON straight into the typed structs below, checking types, bounds
-# (`Meta`), enumerations (`Literal`s built from the rules' vocabularies) and, for events, that no
-# unknown key is present. What a type cannot say is checked after: the topic's job, and the clock
-# fields' bound (a day), which applies to two field names only. A `msgspec.ValidationError` is
+# One pass: msgspec decodes the JSON straight into the batch struct below and its events into
+# `Event`s, checking types, bounds (`Meta`), enumerations (`Literal`s built from the rules'
+# vocabularies) and, for events, that no unknown key is present. What a type cannot say is checked
+# after, in the loop that gives each event its batch's job and node: the topic's job, `offset` and
+# `line_no` being present, and the clock fields' bound (a day), which applies to two field names. A `msgspec.ValidationError` is
 # turned into a `WireError` whose message and code keep `metrics.invalid_reason`'s labels.
 
-if TYPE_CHECKING:  # mypy sees plain strings; msgspec the enumerations
-    Kind = str
-    TsSource = str
-    Severity = str
-    Role = str
-    Category = str
-else:
-    Kind = Literal[KINDS]
-    TsSource = Literal[TS_SOURCES]
-    Severity = Literal[SEVERITIES]
-    Role = Literal[ROLES]
-    Category = Literal[(*CATEGORIES, PROGRESS_CATEGORY)]
-
 WireId = Annotated[str, Meta(pattern=_ID_PATTERN)]
-Count = Annotated[int, Meta(ge=0, lt=MAX_COUNTER)]  # offsets, line numbers
-RankNo = Annotated[int, Meta(ge=-1, lt=1 << 31)]
-Text = Annotated[str, Meta(max_length=MAX_TEXT)]
-FieldName = Annotated[str, Meta(max_length=64)]
-FieldValue = (
-    bool
-    | Annotated[int, Meta(ge=-MAX_FIELD_INT, le=MAX_FIELD_INT)]
-    | Annotated[float, Meta(ge=-MAX_FIELD_FLOAT, le=MAX_FIELD_FLOAT)]
-    | Annotated[str, Meta(max_length=MAX_FIELD_TEXT)]
-    | None
-)
 _FLOAT_MAX = sys.float_info.max  # a finite float: JSON has no NaN, and this refuses an overflow
-
-
-class WireEvent(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, gc=False):
-    """An event as it travels (job and node are the batch's): every key the protocol knows,
-    with the bounds a receiver enforces; any other key is refused."""
-
-    id: Annotated[str, Meta(min_length=1, max_length=MAX_ID_LEN)]
-    kind: Kind
-    offset: Count
-    line_no: Count
-    rank: RankNo | None = None
-    local_rank: RankNo | None = None
-    file: Annotated[str, Meta(max_length=4096)] = ""
-    ts: Annotated[float, Meta(ge=TS_MIN, lt=TS_MAX)] | None = None
-    ts_source: TsSource = "none"
-    rule: Annotated[str, Meta(max_length=64)] | None = None
-    severity: Severity | None = None
-    role: Role | None = None
-    category: Category | None = None
-    text: Text = ""
-    context: Annotated[list[Text], Meta(max_length=MAX_CONTEXT_LINES)] = []
-    fields: Annotated[dict[FieldName, FieldValue], Meta(max_length=MAX_FIELDS)] = {}
 
 
 class WireBatch(msgspec.Struct, kw_only=True, gc=False):
@@ -268,7 +225,7 @@ class WireBatch(msgspec.Struct, kw_only=True, gc=False):
     job: WireId
     node: WireId
     sent_at: Annotated[float, Meta(ge=-_FLOAT_MAX, le=_FLOAT_MAX)]
-    events: Annotated[list[WireEvent], Meta(max_length=MAX_EVENTS)]
+    events: Annotated[list[Event], Meta(max_length=MAX_EVENTS)]  # job and node filled in after
     seq: Annotated[int, Meta(ge=0)] = 0
     behind: Annotated[int, Meta(ge=0, lt=MAX_BEHIND)] = 0
 
@@ -340,21 +297,22 @@ def decode_batch(payload: bytes, topic_job: str | None = None) -> Batch:
     job, node = doc.job, doc.node
     if topic_job is not None and job != topic_job:
         raise WireError(f"job {job!r} does not match the topic's {topic_job!r}")
-    events: list[Event] = []
-    append = events.append
+    events = doc.events
     rules = _RULE_IDS
-    for i, e in enumerate(doc.events):
-        fields = e.fields
+    for i, ev in enumerate(events):
+        # required on the wire; `Event` gives them a default to keep its positional order
+        if ev.offset == NOT_GIVEN or ev.line_no == NOT_GIVEN:
+            missing = "offset" if ev.offset == NOT_GIVEN else "line_no"
+            raise WireError(f"event {i}: Object missing required field `{missing}`")
+        if ev.job or ev.node:
+            raise WireError(f"event {i}: Object contains unknown field `{'job' if ev.job else 'node'}`")
+        ev.job, ev.node = job, node
+        fields = ev.fields
         if fields and (_CLOCK_OFFSET in fields or _CLOCK_UNCERTAINTY in fields):
             _check_clock(i, fields)
-        rule = e.rule
+        rule = ev.rule
         if rule is not None:
-            rule = rules.get(rule) or _rule_id(rule)
-        ev = Event(
-            e.id, e.kind, job, node, e.rank, e.local_rank, e.file, e.offset, e.line_no, e.ts,
-            e.ts_source, rule, e.severity, e.role, e.category, e.text, e.context, fields,
-        )  # fmt: skip
-        append(ev)
+            ev.rule = rules.get(rule) or _rule_id(rule)
     return Batch(doc.agent, job, node, doc.sent_at, doc.seq, events, doc.behind)
 
 

@@ -588,7 +588,7 @@ def carried(ev: Event) -> Event:
     workers send events in this form: a tenth of the bytes, the same diagnosis."""
     if ev.kind != "match" or not ev.context or may_initiate(ev):
         return ev
-    return dataclasses.replace(ev, context=[])
+    return ev.but(context=[])
 
 
 def keeps_context(role: str | None, fields: dict[str, Any]) -> bool:
@@ -613,4 +613,4 @@ def _kept(ev: Event) -> Event:
         return ev
     if not ev.context and len(ev.text) <= KEPT_TEXT:
         return ev
-    return dataclasses.replace(ev, text=ev.text[:KEPT_TEXT], context=[])
+    return ev.but(text=ev.text[:KEPT_TEXT], context=[])

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import dataclasses
+import msgspec
 
 from denpex_agent.rules import RuleSet
 from denpexd.analysis.ranks import global_rank, resolve_rank, resolved
@@ -44,7 +44,7 @@ def test_a_candidates_local_rank_by_position_and_on_a_single_node() -> None:
 
 def test_resolving_merges_unranked_aggregates_without_changing_the_inputs(unit_rules: RuleSet) -> None:
     ranked_ev = ev("a", 3, T0 + 2, "cuda-oom", unit_rules)
-    loose_ev = dataclasses.replace(ev("a", None, T0 + 1, "cuda-oom", unit_rules), file="a/rank3.log")
+    loose_ev = msgspec.structs.replace(ev("a", None, T0 + 1, "cuda-oom", unit_rules), file="a/rank3.log")
     aggs = {("a", 3, "cuda-oom"): Aggregate(ranked_ev, 1, ranked_ev.ts)}
     unranked = {("a", "a/rank3.log", None, "cuda-oom"): Aggregate(loose_ev, 2, loose_ev.ts)}
     tracks: Tracks = {("a", 3): _track("a", 3, {"a/rank3.log": 10}, {})}

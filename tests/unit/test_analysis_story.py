@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import msgspec
+
 from denpex_agent.events import Event
 from denpex_agent.rules import RuleSet
 from denpexd.analysis.story import (
@@ -77,7 +79,7 @@ def test_the_earliest_rank_leads_and_confidence_follows_the_clock_uncertainty(un
 
 def test_one_candidate_per_rank_and_a_named_rank_before_an_unknown_one(unit_rules: RuleSet) -> None:
     early, late = ev("a", 0, T0 + 1, "cuda-oom", unit_rules), ev("a", 0, T0 + 2, "killed-line", unit_rules)
-    unknown = dataclasses.replace(ev("a", None, T0 + 1, "cuda-oom", unit_rules), id="z")
+    unknown = msgspec.structs.replace(ev("a", None, T0 + 1, "cuda-oom", unit_rules), id="z")
     pool = _pool(_aggs(late, early, unknown))
     ranked = rank_candidates(pool, {})
     assert [(c.rank, c.rule) for c, _ in ranked] == [(0, "cuda-oom"), (None, "cuda-oom")]
@@ -151,12 +153,12 @@ def test_a_ranks_specific_story_beats_its_generic_traceback(unit_rules: RuleSet)
 def test_the_launchers_own_traceback_is_no_candidate(unit_rules: RuleSet) -> None:
     """torchrun/accelerate raise their own error after the workers failed (through their entry
     point's frames): that traceback is the launcher's, not a worker's story."""
-    launcher = dataclasses.replace(
+    launcher = msgspec.structs.replace(
         ev("a", None, T0 + 9, "python-traceback", unit_rules),
         text='Traceback (most recent call last):\n  File "/opt/conda/bin/accelerate", line 8, in <module>\n'
         "    sys.exit(main())",
     )
-    worker = dataclasses.replace(
+    worker = msgspec.structs.replace(
         ev("a", 2, T0 + 10, "python-traceback", unit_rules),
         text='Traceback (most recent call last):\n  File "train.py", line 3, in <module>\nKeyError: 7',
     )

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import dataclasses
 import random
 
+import msgspec
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -24,7 +24,7 @@ from tests.unit.test_engine import T0, ev
 def test_events_without_a_time_sort_last_and_ties_fall_to_file_offset_and_id(unit_rules: RuleSet) -> None:
     timed = ev("a", 0, T0 + 5, "cuda-oom", unit_rules)
     untimed = ev("a", 0, None, "cuda-oom", unit_rules)
-    same_time = dataclasses.replace(timed, offset=timed.offset + 1)
+    same_time = msgspec.structs.replace(timed, offset=timed.offset + 1)
     assert sorted([untimed, same_time, timed], key=event_order) == [timed, same_time, untimed]
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
+import msgspec
+
 from denpex_agent.events import Event
 from denpex_agent.rules import RuleSet, load_rules
 from denpexd.engine import Engine
@@ -286,10 +288,9 @@ def test_a_launchers_echo_of_a_workers_line_is_the_workers_event_once(unit_rules
     """torchrun --tee copies each worker line into the launcher's log as '[defaultN]:...': with the
     worker's own file, the event counts once and the evidence is the worker's own line; alone,
     the echo stands for it."""
-    import dataclasses
 
     def echo_of(e: Event) -> Event:
-        return dataclasses.replace(
+        return msgspec.structs.replace(
             e, id=e.id + "-echo", file="b/torchrun.log", local_rank=1, text="[default1]:" + e.text
         )
 

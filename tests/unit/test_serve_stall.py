@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 from prometheus_client import CollectorRegistry
 
@@ -214,7 +214,7 @@ def _epoch_step(rank: int, n: int, step: int, total: int | None = None) -> Event
     fields: dict[str, Any] = {"step": step, "tip": True}
     if total is not None:
         fields["total"] = total
-    return dataclasses.replace(ev, id=f"r{rank}-n{n}", offset=n * 80, line_no=n, fields=fields)
+    return msgspec.structs.replace(ev, id=f"r{rank}-n{n}", offset=n * 80, line_no=n, fields=fields)
 
 
 @pytest.mark.asyncio
