@@ -4,6 +4,7 @@ agent's events, and every rejection the protocol names is refused with the bound
 
 from __future__ import annotations
 
+import gc
 import json
 from typing import Any
 
@@ -65,6 +66,17 @@ def test_left_out_keys_take_their_defaults() -> None:
 def test_unknown_batch_keys_are_ignored_unknown_event_keys_refused() -> None:
     assert wire.decode_batch(orjson.dumps(_batch([_event(0)], later="x")), "job-1").events
     assert _reason(orjson.dumps(_batch([{**_event(0), "extra": 1}]))) == "schema"
+
+
+def test_an_events_job_and_node_are_its_batchs_alone() -> None:
+    """`Event` has job and node fields, the wire event has not: inside an event they are refused,
+    and every decoded event carries its batch's."""
+    for key in ("job", "node"):
+        assert _reason(orjson.dumps(_batch([{**_event(0), key: "other"}]))) == "schema", key
+    events = wire.decode_batch(orjson.dumps(_batch([_event(0), _event(1)])), "job-1").events
+    assert {(e.job, e.node) for e in events} == {("job-1", "n1")}
+    # a daemon keeps hundreds of thousands of events: the collector does not walk them
+    assert not any(gc.is_tracked(e) for e in events)
 
 
 def test_the_vocabularies_are_the_rules() -> None:
@@ -159,6 +171,7 @@ REFUSED: list[tuple[str, Any, str]] = [
     ("rule too long", {"rule": "x" * 65}, "schema"),
     ("rule a number", {"rule": 1}, "schema"),
     ("offset missing", {"offset": None}, "schema"),
+    ("line_no missing", {"line_no": None}, "schema"),
     ("offset negative", {"offset": -1}, "schema"),
     ("offset at 2**62", {"offset": 1 << 62}, "schema"),
     ("line_no a float", {"line_no": 1.0}, "schema"),
