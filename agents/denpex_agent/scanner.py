@@ -968,8 +968,14 @@ class _LineCounter:
                 marks.append(pos)
                 self._counts.append(n)
             return n
+        # before the newest mark (the buffer's end is often asked for first): kept as a mark
+        # too, so that the next position, usually just after it, is counted from here
         i = bisect.bisect_right(marks, pos) - 1
-        return self._counts[i] + self._buf.count(b"\n", marks[i], pos)
+        n = self._counts[i] + self._buf.count(b"\n", marks[i], pos)
+        if marks[i] != pos:
+            marks.insert(i + 1, pos)
+            self._counts.insert(i + 1, n)
+        return n
 
 
 def _line_end_after(buf: bytes, pos: int, limit: int) -> int:

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from denpex_agent.events import Event
 from denpex_agent.matcher import Matcher
 from denpex_agent.rules import RuleSet, load_rules
-from denpex_agent.scanner import LineScanner, Source
+from denpex_agent.scanner import LineScanner, Source, _LineCounter
 
 PREFIX = b"2026-11-29 10:00:00,000 INFO [rank0] step 1/10 | loss 1.0\n"
 ENDINGS = (b"\n", b"", b"\r\n", b"   \n", b"\n\n")
@@ -189,3 +189,40 @@ def test_a_forced_close_after_the_fold_timeout_ends_the_record_where_the_data_en
     post_mortem = [k for k in _scan(matcher, [data]) if k[0] == "match"]
     assert [_key(e) for e in forced] == post_mortem
     assert sc.pending == 0
+
+
+class _CountingBytes(bytes):
+    """A buffer that adds up the bytes its `count` is asked to look at."""
+
+    looked = 0
+
+    def count(self, sub: object, start: int = 0, end: int | None = None) -> int:  # type: ignore[override]
+        stop = len(self) if end is None else end
+        _CountingBytes.looked += max(0, stop - start)
+        return super().count(sub, start, end)  # type: ignore[arg-type]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.sampled_from([b"a", b"bc", b"\n", b"def\n", b"\n\n"]), max_size=80),
+    st.lists(st.integers(min_value=0, max_value=400), max_size=40),
+    st.integers(min_value=0, max_value=10**6),
+)
+def test_line_numbers_are_right_in_any_order_asked(parts: list[bytes], asked: list[int], first: int) -> None:
+    buf = b"".join(parts)
+    counter = _LineCounter(buf, first)
+    for pos in asked:
+        pos = min(pos, len(buf))
+        assert counter.line_at(pos) == first + buf.count(b"\n", 0, pos)
+
+
+def test_each_byte_is_counted_about_once_when_the_end_is_asked_first() -> None:
+    """The scanner asks for the buffer's end, then for the step lines before it in order: the
+    lines are counted from the nearest position asked before, not from the buffer's start."""
+    buf = _CountingBytes(b"step line\n" * 20_000)
+    counter = _LineCounter(buf, 1)
+    _CountingBytes.looked = 0
+    assert counter.line_at(len(buf)) == 20_001
+    for k in range(256):
+        assert counter.line_at(k * 10) == 1 + k
+    assert _CountingBytes.looked <= 2 * len(buf)
