@@ -210,8 +210,9 @@ def check_sender(topic: Topic, agent: str, node: str) -> None:
 # `Event`s, checking types, bounds (`Meta`), enumerations (`Literal`s built from the rules'
 # vocabularies) and, for events, that no unknown key is present. What a type cannot say is checked
 # after, in the loop that gives each event its batch's job and node: the topic's job, `offset` and
-# `line_no` being present, and the clock fields' bound (a day), which applies to two field names. A `msgspec.ValidationError` is
-# turned into a `WireError` whose message and code keep `metrics.invalid_reason`'s labels.
+# `line_no` being present, and the clock fields' bound (a day), which applies to two field names.
+# A `msgspec.ValidationError` is turned into a `WireError` whose message and code keep
+# `metrics.invalid_reason`'s labels.
 
 WireId = Annotated[str, Meta(pattern=_ID_PATTERN)]
 _FLOAT_MAX = sys.float_info.max  # a finite float: JSON has no NaN, and this refuses an overflow

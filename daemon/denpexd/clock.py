@@ -66,11 +66,6 @@ class Reference:
         self.steps = [s for s, _ in curve]
         self.at = dict(curve)
 
-    def time(self, step: int) -> float | None:
-        """The reference's time at ``step``, interpolated between its neighbours; None outside."""
-        got = self.at.get(step)
-        return got if got is not None else _interpolate(self.curve, self.steps, step)
-
 
 def estimate_offset(
     curve: list[tuple[int, float]], ref: list[tuple[int, float]] | Reference
@@ -78,12 +73,12 @@ def estimate_offset(
     """(offset, uncertainty, samples) of ``curve`` against ``ref``, or None with too little overlap."""
     if not isinstance(ref, Reference):
         ref = Reference(ref)
-    at, time = ref.at, ref.time
+    at, ref_curve, ref_steps = ref.at, ref.curve, ref.steps
     diffs: list[float] = []
     for step, ts in curve:
         rts = at.get(step)
-        if rts is None:
-            rts = time(step)
+        if rts is None:  # between the reference's steps: interpolated; outside them: no sample
+            rts = _interpolate(ref_curve, ref_steps, step)
             if rts is None:
                 continue
         diffs.append(ts - rts)

@@ -70,22 +70,19 @@ class StallWatch:
         return ev.node, ev.rank if ev.rank is not None else ev.file
 
     def progress(self, ev: Event, now: float) -> None:
-        fields = ev.fields
-        step = fields.get("step")
+        step = ev.fields.get("step")
         if step.__class__ is not int:
             return
-        rank = ev.rank
-        key = (ev.node, rank if rank is not None else ev.file)  # `_key`, inline: every step line
-        if "total" in fields and at_planned_end(step, fields):
+        key = self._key(ev)
+        if at_planned_end(step, ev.fields):
             self.ended[key] = step
         pace = self.ranks.get(key)
         if pace is None:
             self.ranks[key] = Pace(step, now, ev.ts, ev)
             self.last_advance = max(self.last_advance, now)
             return
-        last = pace.event
-        if not (ev.offset > last.offset if ev.file == last.file else _newer(ev, last)):
-            return  # `_newer`, its common case inline: a rank's own file
+        if not _newer(ev, pace.event):
+            return
         if step > pace.step:
             if ev.ts is not None and pace.ts is not None and ev.ts > pace.ts:
                 self.intervals.append((ev.ts - pace.ts) / (step - pace.step))

@@ -190,10 +190,7 @@ class NodeProgress(StepSamples):
         self._dirty: set[int] | None = None  # steps sampled since `_curve` was computed
 
     def add(self, step: int, value: float) -> bool:
-        values = self.by_step.get(step)
-        if values is not None:  # a step another rank of the node logged already: the common case
-            values.append(value)
-        elif not super().add(step, value):
+        if not super().add(step, value):
             return False
         if self._curve is not None:
             dirty = self._dirty
@@ -330,10 +327,17 @@ class RankTrack:
     rule_events: int = 0  # rule events that named this rank (the rank table's count)
 
     def vote(self, ev: Event) -> None:
-        self.vote_file(ev.file)
-        local = ev.local_rank
+        # the common case first (every step line): the rank's first file and local rank again
+        file, local = ev.file, ev.local_rank
+        if self.file_votes and file == self.file:
+            self.file_votes += 1
+        else:
+            self.vote_file(file)
         if local is not None:
-            self.vote_local(local)
+            if self.local_votes and local == self.local:
+                self.local_votes += 1
+            else:
+                self.vote_local(local)
 
     def vote_file(self, file: str, n: int = 1) -> None:
         if not self.file_votes:
@@ -394,17 +398,7 @@ class RankTrack:
         if fields.get("tip"):
             return
         if self.rank is not None:
-            # `vote`, with the common case inline: the rank's first file and local rank again
-            file, local = ev.file, ev.local_rank
-            if self.file_votes and file == self.file:
-                self.file_votes += 1
-            else:
-                self.vote_file(file)
-            if local is not None:
-                if self.local_votes and local == self.local:
-                    self.local_votes += 1
-                else:
-                    self.vote_local(local)
+            self.vote(ev)
         if "data_time" in fields or "step_time" in fields:
             for name in SERIES:
                 v = fields.get(name)
