@@ -87,7 +87,7 @@ CATEGORIES = (
     "configuration",
 )
 PROGRESS_CATEGORY = "progress"
-FOLDS = ("python-traceback", "elastic-failure", "stalled-ranks")
+FOLDS = ("python-traceback", "elastic-failure", "stalled-ranks", "mpi-exit-notice")
 
 # Named groups a pattern may use. Numbers are parsed by the reader (int or float).
 INT_FIELDS = frozenset(

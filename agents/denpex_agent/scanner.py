@@ -81,6 +81,14 @@ _STALL_HEADING = re.compile(
 )
 _STALL_RANK_ENTRY = re.compile(r"^(?:\[[^\]\s]{1,80}\]<std(?:out|err)>:)?\s{0,6}(?P<rank>\d{1,6})!?: \[")
 MAX_LISTED_RANKS = 64  # of the missing ranks a stall report names, those kept in the event's fields
+# Open MPI's exit report after its heading: the process (`[[J,1],R]`: rank R of the primary job; PRRTE's
+# `[prterun-host-pid@1,R]`) and its exit code, between blank lines, the heading's continuation and a rule
+_MPI_PROCESS = re.compile(r"^\s*Process name:\s*\[(?:\[\d+,1\],|prterun-\S+@1,)(?P<rank>\d{1,6})\]")
+_MPI_EXIT = re.compile(r"^\s*Exit code:\s*(?P<code>-?\d+)")
+_MPI_BLOCK_LINE = re.compile(
+    r"^\s*(?:$|the job to be terminated\b|The first process to do so was\b|Process name:|Exit code:|-{10,}\s*$)"
+)
+MPI_BLOCK_LINES = 8
 
 
 @dataclass(slots=True)
@@ -422,12 +430,13 @@ class LineScanner:
                     rule, fields = best.rule, dict(best.fields)
                 elif exc_text:
                     fields["exception"] = exc_text[:300]
-            if rule.fold in ("elastic-failure", "stalled-ranks"):  # a block that adds fields
-                added = (
-                    self._fold_elastic(buf, block_end, cut, mode)
-                    if rule.fold == "elastic-failure"
-                    else self._fold_stalled(buf, hit, cut, mode)
-                )
+            if rule.fold in ("elastic-failure", "stalled-ranks", "mpi-exit-notice"):  # a block that adds fields
+                if rule.fold == "elastic-failure":
+                    added = self._fold_elastic(buf, block_end, cut, mode)
+                elif rule.fold == "stalled-ranks":
+                    added = self._fold_stalled(buf, hit, cut, mode)
+                else:
+                    added = self._fold_mpi_exit(buf, block_end, cut, mode)
                 if added is None:
                     consumed = self._rewind(events, spans, hit.start)
                     break
@@ -615,6 +624,33 @@ class LineScanner:
         if not closed:
             return None
         return block_end, fields
+
+    def _fold_mpi_exit(self, buf: bytes, pos: int, cut: int, mode: int) -> tuple[int, dict[str, Any]] | None:
+        """Open MPI's report after its heading line (``... detected that one or more processes
+        exited with non-zero status``): the first process to exit (``culprit_rank``) and its
+        ``exitcode``. The report ends with its ``Exit code:`` line, a rule of dashes or any other
+        line; one cut off before that waits for more, through a quiet spell too (the heading alone
+        does not look complete), until the fold timeout."""
+        fields: dict[str, Any] = {}
+        block_end = pos
+        count = 0
+        for _start, end, text in self._lines_from(buf, pos + 1, cut):
+            if not _MPI_BLOCK_LINE.match(text):
+                return block_end, fields
+            block_end = end
+            m = _MPI_PROCESS.match(text)
+            if m and "culprit_rank" not in fields:
+                fields["culprit_rank"] = int(m.group("rank"))
+            m = _MPI_EXIT.match(text)
+            count += 1
+            if m:
+                fields["exitcode"] = int(m.group("code"))
+                return block_end, fields
+            if text.lstrip().startswith("---") or count >= MPI_BLOCK_LINES:
+                return block_end, fields
+        if mode == FINAL or cut - pos > MAX_CARRY:
+            return block_end, fields
+        return None
 
     def _fold_stalled(self, buf: bytes, hit: Hit, cut: int, mode: int) -> tuple[int, dict[str, Any]] | None:
         """A stall report's heading line and the lines that list its ranks (``Stalled ops:``,

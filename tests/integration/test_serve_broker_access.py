@@ -305,7 +305,8 @@ async def test_pods_log_in_with_their_service_account_tokens(tmp_path: Path) -> 
         text = daemon.log.read_text()
         assert "pod 'train-0' on node 'gpu-1', not 'train-0' on 'gpu-3'" in text
         assert "Signature verification failed" in text
-        assert await _nodes_stored(daemon, job, set()) == {"gpu-1", "gpu-2"}
+        # refused at CONNECT (their logs say so above): nothing of theirs can have been stored
+        assert await _nodes_stored(daemon, job, {"gpu-1", "gpu-2"}) == {"gpu-1", "gpu-2"}
     finally:
         for proc in procs:
             stop(proc)

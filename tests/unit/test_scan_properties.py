@@ -48,6 +48,16 @@ RECORDS = (
     b"(most recent call first):\n"
     b"frame #0: c10::Error::Error(c10::SourceLocation, std::string) + 0x57 (0x7f in libc10.so)\n"
     b"frame #1: c10d::ProcessGroupNCCL::WorkNCCL::checkTimeout() + 0x1d2 (0x7f in libtorch_cuda.so)\n"
+    b"--------------------------------------------------------------------------\n"
+    b"Primary job  terminated normally, but 1 process returned\n"
+    b"a non-zero exit code. Per user-direction, the job has been aborted.\n"
+    b"--------------------------------------------------------------------------\n"
+    b"mpirun detected that one or more processes exited with non-zero status, thus causing\n"
+    b"the job to be terminated. The first process to do so was:\n"
+    b"\n"
+    b"  Process name: [[50371,1],2]\n"
+    b"  Exit code:    1\n"
+    b"--------------------------------------------------------------------------\n"
     b"Killed\n"
 )
 
@@ -160,9 +170,11 @@ def test_records_cut_anywhere_with_quiet_spells_between_whole_lines(matcher: Mat
     with _deadline(120):
         whole = _scan(matcher, [data])
         matches = [k for k in whole if k[0] == "match"]
-        assert len(matches) == 2 * 4 + 1
+        assert len(matches) == 2 * 6 + 1
         watchdog = next(k for k in matches if "Watchdog" in str(k[6]))
         assert str(watchdog[6]).endswith("(0x7f in libtorch_cuda.so)")  # the C++ stack is part of it
+        mpi = next(k for k in matches if "detected that one or more" in str(k[6]))
+        assert str(mpi[6]).endswith("Exit code:    1")  # Open MPI's report is part of its heading's event
         split_by_design = set()
         for cut in range(len(data) + 1):
             pieces = [data[:cut], data[cut:]]
@@ -176,6 +188,25 @@ def test_records_cut_anywhere_with_quiet_spells_between_whole_lines(matcher: Mat
         b"KeyError: 'shard-7'",  # the first exception line of a chained traceback
         b"",  # the blank line after it
     }
+
+
+def test_open_mpis_exit_report_names_the_first_process_and_its_exit_code(matcher: Matcher) -> None:
+    """The report under mpirun's heading gives its event the rank that exited first and the exit
+    code (a launcher's witness); a report cut off after its heading waits for them through a
+    quiet spell, and a heading with nothing after it still makes one event when the data ends."""
+    block = RECORDS[RECORDS.index(b"mpirun detected") : RECORDS.index(b"Killed\n")]
+    after_heading = block.index(b"\n") + 1
+
+    def reports(pieces: list[bytes], quiet: bool = False) -> list[dict[str, object]]:
+        sc = LineScanner(matcher, _source())
+        out = sc.feed(pieces[0]) + (sc.flush() if quiet else [])
+        for piece in pieces[1:]:
+            out += sc.feed(piece)
+        return [e.fields for e in out + sc.finish() if e.rule == "mpirun-nonzero-exit"]
+
+    assert reports([block]) == [{"culprit_rank": 2, "exitcode": 1}]
+    assert reports([block[:after_heading], block[after_heading:]], quiet=True) == reports([block])
+    assert reports([block[:after_heading]]) == [{}]
 
 
 def test_a_forced_close_after_the_fold_timeout_ends_the_record_where_the_data_ends(matcher: Matcher) -> None:
