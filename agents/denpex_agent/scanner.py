@@ -89,6 +89,7 @@ _MPI_BLOCK_LINE = re.compile(
     r"^\s*(?:$|the job to be terminated\b|The first process to do so was\b|Process name:|Exit code:|-{10,}\s*$)"
 )
 MPI_BLOCK_LINES = 8
+_FIELD_FOLDS = frozenset({"elastic-failure", "stalled-ranks", "mpi-exit-notice"})  # blocks that add fields
 
 
 @dataclass(slots=True)
@@ -430,7 +431,7 @@ class LineScanner:
                     rule, fields = best.rule, dict(best.fields)
                 elif exc_text:
                     fields["exception"] = exc_text[:300]
-            if rule.fold in ("elastic-failure", "stalled-ranks", "mpi-exit-notice"):  # a block that adds fields
+            if rule.fold in _FIELD_FOLDS:  # a block that adds fields
                 if rule.fold == "elastic-failure":
                     added = self._fold_elastic(buf, block_end, cut, mode)
                 elif rule.fold == "stalled-ranks":
@@ -633,18 +634,16 @@ class LineScanner:
         does not look complete), until the fold timeout."""
         fields: dict[str, Any] = {}
         block_end = pos
-        count = 0
-        for _start, end, text in self._lines_from(buf, pos + 1, cut):
+        for count, (_start, end, text) in enumerate(self._lines_from(buf, pos + 1, cut), 1):
             if not _MPI_BLOCK_LINE.match(text):
                 return block_end, fields
             block_end = end
-            m = _MPI_PROCESS.match(text)
-            if m and "culprit_rank" not in fields:
-                fields["culprit_rank"] = int(m.group("rank"))
-            m = _MPI_EXIT.match(text)
-            count += 1
-            if m:
-                fields["exitcode"] = int(m.group("code"))
+            proc = _MPI_PROCESS.match(text)
+            if proc and "culprit_rank" not in fields:
+                fields["culprit_rank"] = int(proc.group("rank"))
+            code = _MPI_EXIT.match(text)
+            if code:
+                fields["exitcode"] = int(code.group("code"))
                 return block_end, fields
             if text.lstrip().startswith("---") or count >= MPI_BLOCK_LINES:
                 return block_end, fields
