@@ -99,6 +99,7 @@ FAMILY_RULES = (
     "srun-task-exited",
     "mpirun-rank-exited-on-signal",
     "mpirun-nonzero-exit",
+    "mpirun-job-aborted-notice",
     # checkpoint-io
     "no-space-left",
     "disk-quota-exceeded",
