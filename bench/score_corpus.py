@@ -28,6 +28,7 @@ answers right now (run it when a change fixes a case; CI keeps the file, which o
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -131,11 +132,13 @@ def score(corpus: Path) -> tuple[Score, list[dict[str, Any]]]:
         if why:
             total.misses.append(f"{case.name}: {'; '.join(why)}  [{truth['source']}]")
         rows.append({"case": case.name, "rank": rank, "confidence": confidence, "category": category,
-                     "verdict": doc.get("verdict"), "truth": truth})  # fmt: skip
+                     "verdict": doc.get("verdict"), "truth": truth,
+                     "scored": job_scope or (knowable and truth["initiator_rank"] is not None)})  # fmt: skip
     return total, rows
 
 
 def main() -> int:
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `| head` ends the run quietly
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--corpus", type=Path, default=CORPUS)
     ap.add_argument("--json", type=Path, help="write the scores and every case's answer here")
@@ -151,6 +154,16 @@ def main() -> int:
     print(f"  category    {s['category']:>7}  {s['category_pct']:5.1f} %")
     print(f"  verdict     {s['verdict']:>7}  {s['verdict_pct']:5.1f} %")
     print(f"  confident (>= {CONFIDENT}) rank where no single rank broke: {s['confident_wrong']}")
+    sure = [r for r in rows if r["truth"].get("confidence") == "certain"]
+    if sure:
+        names = {r["case"] for r in sure}
+        scored = {r["case"] for r in sure if r["scored"]}
+        parts = [
+            f"{dim} {len(names.intersection(total.right[dim]) & (scored if dim == 'initiator' else names))}"
+            f"/{len(scored) if dim == 'initiator' else len(names)}"
+            for dim in DIMENSIONS
+        ]
+        print(f"  of the {len(names)} cases whose thread makes the truth certain: {', '.join(parts)}")
     if total.misses:
         print(f"misses ({len(total.misses)}):")
         for miss in total.misses:

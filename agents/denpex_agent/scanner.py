@@ -89,6 +89,10 @@ _MPI_BLOCK_LINE = re.compile(
     r"^\s*(?:$|the job to be terminated\b|The first process to do so was\b|Process name:|Exit code:|-{10,}\s*$)"
 )
 MPI_BLOCK_LINES = 8
+# torch.multiprocessing.spawn's report of a worker's exception (in the parent's
+# ProcessRaisedException): the worker's process index, right before its traceback; mp.spawn's
+# index is the worker's local rank (detectron2, fairseq and most spawn launchers)
+_SPAWN_HEADER = re.compile(r"^-- Process (?P<index>\d{1,6}) terminated with the following error:\s*$")
 _FIELD_FOLDS = frozenset({"elastic-failure", "stalled-ranks", "mpi-exit-notice"})  # blocks that add fields
 
 
@@ -693,6 +697,10 @@ class LineScanner:
         if rank is None and isinstance(fields.get("rank"), int):
             rank = fields["rank"]
         local_rank = prefix_local if prefix_local is not None else src.local_rank
+        if rank is None and local_rank is None and hit.rule.fold == "python-traceback":
+            spawned = self._spawned_worker(buf, hit.start)
+            if spawned is not None and "local_rank" not in fields:
+                fields["local_rank"] = spawned
         if rank is None:
             named_local = local_rank if local_rank is not None else fields.get("local_rank")
             if isinstance(named_local, int):
@@ -795,6 +803,13 @@ class LineScanner:
             if dominant is not None:
                 return dominant
         return line_rank_
+
+    def _spawned_worker(self, buf: bytes, pos: int) -> int | None:
+        """The process index torch.multiprocessing.spawn names on the line right before the
+        traceback at ``pos`` (``-- Process 1 terminated with the following error:``), if it does."""
+        before = self._lines_before(buf, pos, 1)
+        m = _SPAWN_HEADER.match(strip_prefix(before[-1])) if before else None
+        return int(m.group("index")) if m else None
 
     def _neighbour_rank(self, buf: bytes, pos: int, text: str) -> int | None:
         """The rank of an unprefixed record (a traceback in a merged stream) from the lines just

@@ -106,6 +106,56 @@ def test_elastic_summary_names_the_root_cause_rank(unit_matcher: Matcher) -> Non
     assert ev.fields["signal"] == 9
 
 
+# torch.multiprocessing.spawn's report of a failed worker, in the parent's exception: the header
+# and the worker's first frames as posted in facebookresearch/detectron2#3819 (torch 1.10) and
+# #51 (before torch 1.8: a plain `Exception`); the final exception lines are written for the test.
+SPAWN_REPORTS = (
+    (
+        "    raise ProcessRaisedException(msg, error_index, failed_process.pid)\n"
+        "torch.multiprocessing.spawn.ProcessRaisedException: \n"
+        "\n"
+        "-- Process 1 terminated with the following error:\n"
+        "Traceback (most recent call last):\n"
+        '  File "/usr/local/lib/python3.6/dist-packages/torch/multiprocessing/spawn.py", line 59, in _wrap\n'
+        "    fn(i, *args)\n"
+        "ValueError: bad batch\n",
+        1,
+    ),
+    (
+        "    raise Exception(msg)\n"
+        "Exception:\n"
+        "\n"
+        "\n"
+        "-- Process 2 terminated with the following error:\n"
+        "Traceback (most recent call last):\n"
+        '  File "/home/user/miniconda/envs/detectron2/lib/python3.7/site-packages/torch/multiprocessing/spawn.py", '
+        "line 19, in _wrap\n"
+        "    fn(i, *args)\n"
+        "ValueError: bad batch\n",
+        2,
+    ),
+)
+
+
+@pytest.mark.parametrize(("report", "index"), SPAWN_REPORTS)
+def test_a_spawned_workers_traceback_takes_the_process_index_as_its_local_rank(
+    unit_matcher: Matcher, report: str, index: int
+) -> None:
+    parent = 'Traceback (most recent call last):\n  File "train_net.py", line 9, in <module>\n'
+    events = [e for e in _scan(unit_matcher, (parent + report).encode()) if e.kind == "match"]
+    assert [e.fields.get("local_rank") for e in events] == [None, index]  # the parent's, the worker's
+    assert "ValueError: bad batch" in events[1].text
+
+
+def test_a_traceback_after_other_lines_names_no_spawned_worker(unit_matcher: Matcher) -> None:
+    text = SPAWN_REPORTS[0][0].replace(
+        "-- Process 1 terminated with the following error:\n",
+        "-- Process 1 terminated with the following error:\nsome other line\n",
+    )
+    (ev,) = [e for e in _scan(unit_matcher, text.encode()) if e.kind == "match"]
+    assert "local_rank" not in ev.fields
+
+
 def test_unknown_exception_keeps_the_generic_rule_and_names_it(unit_matcher: Matcher) -> None:
     ev = next(e for e in _scan(unit_matcher, LOG.encode()) if e.rule == "python-traceback")
     assert ev.fields["exception"] == "KeyError: 'shard-9'"
