@@ -15,7 +15,10 @@ the same kind of batch, timed in this process just before and just after phase 1
 of the two says how the daemon did independently of how fast the shared machine was just then.
 Phase 2 (latency): TRIALS fresh jobs of 4,096 ranks each get a few steps of progress (a burst of
 5 x 4,096 events), then, right behind that burst, a failure cascade: one rank's CUDA OOM (root
-cause) followed by collateral on every other rank. Latency = from publishing the initiating line
+cause) followed, 50 ms later, by collateral on every other rank (each publisher connection
+publishes its nodes' batches one after the other, the 16 connections at once, as independent
+agents would; `--serial-collateral`: all 511 batches one after the other, the load of the rounds
+before 2026-12-02). Latency = from publishing the initiating line
 to receiving (a) the retained diagnosis naming that rank and (b) the MQTT alert. Each trial
 starts once the daemon has ingested everything published before it (`--back-to-back`: as soon
 as the previous trial's alert arrived, which offers more than the daemon absorbs once alerts
@@ -62,6 +65,7 @@ from denpex_agent.events import Event
 PUBLISHERS = 16
 
 
+SERIAL_COLLATERAL = {"on": False}  # --serial-collateral: one publish at a time across all publishers
 TOPIC_MODE = {"mode": "sender"}  # --topic: sender (agents now; the daemon sends receipts) or first-revision
 
 
@@ -214,6 +218,7 @@ class Fleet:
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     TOPIC_MODE["mode"] = args.topic
+    SERIAL_COLLATERAL["on"] = args.serial_collateral
     if args.broker:
         host, _, port = args.broker.removeprefix("mqtt://").rpartition(":")
         return await run_with(args, (host, int(port)))
@@ -350,7 +355,8 @@ async def phases(
             # the last node's collateral acknowledged by the broker: what the alert waits for
             "collateral_published_p50": pct(spread, 0.5), "collateral_published_p99": pct(spread, 0.99),
         }  # fmt: skip
-        out["stall"] = await stall_phase(args, fleet, broker, client_id, url, base, sent)
+        if args.stall_trials > 0:
+            out["stall"] = await stall_phase(args, fleet, broker, client_id, url, base, sent)
         out["rss_mb_end"] = round(_rss_mb(proc.pid))
         out["diagnosis_duration_s_sum"] = _metric(url, "denpex_diagnosis_duration_seconds_sum")
         out["diagnosis_runs"] = _metric(url, "denpex_diagnosis_runs_total")
@@ -377,15 +383,22 @@ async def cascade(
     )
     got_diag = got_alert = None
 
+    async def one(p: int) -> None:
+        """Publisher ``p``'s nodes' collateral, one acknowledged publish after the other."""
+        for nj in range(p, len(fleet.nodes), PUBLISHERS):
+            n = fleet.nodes[nj]
+            evs = [match(job, n, r, lr, "nccl-remote-error", "collateral", "communication",
+                         t_fail + 0.5) for r, lr in fleet.ranks(nj) if r != rank]  # fmt: skip
+            await fleet.clients[p].publish(_topic(job, n), wire.encode_batch(
+                f"{n}-agent", job, n, 3, time.time(), evs), qos=1)  # fmt: skip
+
     async def collateral() -> None:
         await asyncio.sleep(0.05)
-        for p in range(PUBLISHERS):
-            for nj in range(p, len(fleet.nodes), PUBLISHERS):
-                n = fleet.nodes[nj]
-                evs = [match(job, n, r, lr, "nccl-remote-error", "collateral", "communication",
-                             t_fail + 0.5) for r, lr in fleet.ranks(nj) if r != rank]  # fmt: skip
-                await fleet.clients[p].publish(_topic(job, n), wire.encode_batch(
-                    f"{n}-agent", job, n, 3, time.time(), evs), qos=1)  # fmt: skip
+        if SERIAL_COLLATERAL["on"]:  # the first revision's load: every node's batch after the one before
+            for p in range(PUBLISHERS):
+                await one(p)
+        else:  # the publishers at once, as the nodes' agents publish independently
+            await asyncio.gather(*(one(p) for p in range(PUBLISHERS)))
         if spread is not None:
             spread.append(time.perf_counter() - t_pub)
 
@@ -559,6 +572,12 @@ def main() -> None:
         action="store_true",
         help="start each trial as soon as the previous alert arrived, not once the daemon ingested "
         "everything published so far (offers more than the daemon absorbs once alerts are fast)",
+    )
+    p.add_argument(
+        "--serial-collateral",
+        action="store_true",
+        help="phase 2: publish the cascade's collateral one node after the other across all publishers "
+        "(the load of earlier rounds), instead of each publisher's nodes at the same time as the others'",
     )
     p.add_argument("--stall-trials", type=int, default=5, help="phase 3: jobs that stop logging steps")
     p.add_argument(

@@ -97,6 +97,10 @@ def diagnosis_payload(
     return data
 
 
+# what `_diagnose` adds to the engine's document (the live stall, agents, the node's record)
+_LIVE_KEYS = frozenset({"stall", "agents", "open", "node_history", "broken"})
+
+
 def _stalled(doc: dict[str, Any]) -> bool:
     """Whether the diagnosis says "failed" because of a live stall alone."""
     return doc.get("stall") is not None and (doc.get("root_cause") or {}).get("rule") == STALL_RULE
@@ -210,6 +214,11 @@ class Settling:
     agents: set[str]
     sent: float | None
     arrived: float
+    node: str = ""  # the initiator's node: its own agents are not waited on
+
+    def past(self, mark: AgentMark, now: float) -> bool:
+        """Whether ``mark``'s agent has sent a batch read after the initiator's line."""
+        return mark.sent_at >= self.sent if self.sent is not None else now >= self.arrived
 
 
 @dataclass(slots=True)
@@ -396,14 +405,25 @@ class JobTable:
         if any(ev.kind != "heartbeat" for ev in batch.events):
             mark.read = now
         settling = state.settling
-        if settling is not None and batch.agent in settling.agents:
-            past = mark.sent_at >= settling.sent if settling.sent is not None else now >= settling.arrived
-            if past:
-                settling.agents.discard(batch.agent)
-                if not settling.agents:
-                    # the last one: its events are fed, then a diagnosis lets the alert go now
-                    # rather than at the end of alert_settle_s (see `_settle`)
-                    state.settling, state.settled = None, True
+        if settling is not None:
+            if batch.agent in settling.agents:
+                if settling.past(mark, now):
+                    settling.agents.discard(batch.agent)
+            elif (
+                batch.node != settling.node
+                and batch.behind <= 0
+                and not settling.past(mark, now)
+                and self.agents.get(state.job, {}).get(batch.agent, {}).get("state") != "offline"
+            ):
+                # first heard from in this job after the wait began (its batch was on its way,
+                # behind the initiator's, which was taken ahead): waited on as well, so that the
+                # diagnosis below comes once every agent has read past the line, not once per
+                # agent found late
+                settling.agents.add(batch.agent)
+            if not settling.agents:
+                # the last one: its events are fed, then a diagnosis lets the alert go now
+                # rather than at the end of alert_settle_s (see `_settle`)
+                state.settling, state.settled = None, True
 
     async def _settle(self, state: JobState) -> None:
         """Diagnose at once when the agents a held alert waited on have all read past the
@@ -471,7 +491,7 @@ class JobTable:
                 settling.add(agent)
         # the batch that ends the last of these waits triggers a diagnosis (`_mark`, `_settle`)
         state.settling = (
-            Settling(settling, state.sent.get((ini["node"], ini["rank"], ini["rule"])), arrived)
+            Settling(settling, state.sent.get((ini["node"], ini["rank"], ini["rule"])), arrived, ini["node"])
             if settling
             else None
         )
@@ -519,7 +539,11 @@ class JobTable:
         urgent = (engine.failing_aggs > failing and not was_failed) or (
             engine.candidate_aggs > candidates and (was_failed or engine.failing_aggs > 0)
         )
-        if urgent and self._mono() >= state.last_diagnosis_at + 4 * state.diagnosis_cost:
+        if (
+            urgent
+            and state.settling is None  # a held alert's settle brings the next one (`_due`)
+            and self._mono() >= state.last_diagnosis_at + 4 * state.diagnosis_cost
+        ):
             await self.diagnose(state)
         else:
             self._mark_dirty(state, progress_only=progress_only)
@@ -708,18 +732,26 @@ class JobTable:
         stall ended, is diagnosed at once (its alert fires or resolves)."""
         while True:
             await asyncio.sleep(STALL_CHECK_S)
-            for state in list(self.jobs.values()):
-                if state.watch is None or self.jobs.get(state.job) is not state:
-                    continue
-                try:
-                    # against what its last diagnosis showed: a failed job whose ranks stopped
-                    # shows the stall once, not a new diagnosis every look
-                    turned = (self._stall(state) is not None) != state.stall_shown
-                except Exception as exc:  # this job's problem; the watch goes on with the others
-                    self._fault(state, "stall", exc)
-                    continue
-                if turned:
-                    await self.diagnose(state)
+            await self.look_for_stalls()
+
+    async def look_for_stalls(self) -> None:
+        """One look of the stall watch at every open job."""
+        for state in list(self.jobs.values()):
+            if state.watch is None or self.jobs.get(state.job) is not state:
+                continue
+            try:
+                # against what its last diagnosis showed: a failed job whose ranks stopped
+                # shows the stall once, not a new diagnosis every look
+                turned = (self._stall(state) is not None) != state.stall_shown
+            except Exception as exc:  # this job's problem; the watch goes on with the others
+                self._fault(state, "stall", exc)
+                continue
+            if turned:
+                # a failure the engine found stands, whatever the stall: with no event since
+                # its last diagnosis only the document's `stall` changes (no engine pass over
+                # every rank of a large job that has just stopped)
+                reuse = state.verdict == "failed" and not state.stalled and state.dirty_since is None
+                await self.diagnose(state, reuse=reuse and state.broken is None)
 
     def _mark_dirty(self, state: JobState, *, progress_only: bool = False) -> None:
         wake = False
@@ -739,7 +771,13 @@ class JobTable:
         assert state.dirty_since is not None
         debounce = self.cfg.debounce_s if state.dirty_by_rule else self.cfg.progress_debounce_s
         min_gap = max(debounce, 4 * state.diagnosis_cost)
-        return max(state.dirty_since + debounce, state.last_diagnosis_at + min_gap)
+        due = max(state.dirty_since + debounce, state.last_diagnosis_at + min_gap)
+        if state.settling is not None:
+            # a first alert is held for agents still to read past its initiator's line: the batch
+            # of the last of them brings the next diagnosis (`_settle`), at the latest the end of
+            # the wait does; one before would only take the loop from reading their batches
+            due = max(due, state.settling.arrived + self.cfg.alert_settle_s)
+        return due
 
     async def run_diagnoser(self) -> None:
         while True:
@@ -766,15 +804,16 @@ class JobTable:
                 ):
                     await self.diagnose(state)
 
-    async def diagnose(self, state: JobState) -> dict[str, Any]:
+    async def diagnose(self, state: JobState, *, reuse: bool = False) -> dict[str, Any]:
         """The job's diagnosis, published, alerted and stored. A fault in any of that is the
         job's: counted, the job marked broken (`broken` in its document), its last good
-        diagnosis kept; the daemon and the other jobs go on."""
+        diagnosis kept; the daemon and the other jobs go on. ``reuse``: the engine's part of the
+        last diagnosis still holds (no event came since), only the live parts are made again."""
         state.dirty_since = None
         state.dirty_by_rule = False
         self._dirty_jobs.pop(state.job, None)
         try:
-            return await self._diagnose(state)
+            return await self._diagnose(state, reuse=reuse)
         except StoreError as exc:
             log.error("diagnosis not stored job=%s error=%s", state.job, exc)  # the store's, not the job's
         except Exception as exc:
@@ -784,18 +823,23 @@ class JobTable:
         doc["broken"] = state.broken
         return doc
 
-    async def _diagnose(self, state: JobState) -> dict[str, Any]:
+    async def _diagnose(self, state: JobState, *, reuse: bool = False) -> dict[str, Any]:
         state.settled = False
         t0 = time.perf_counter()
-        doc = state.engine.diagnose()
+        last = state.last_diagnosis() if reuse else None
+        if last is not None:
+            doc = {k: v for k, v in last.items() if k not in _LIVE_KEYS}
+        else:
+            doc = state.engine.diagnose()
         stall = self._stall(state)
         overlay(doc, stall, root_cause(self.rules, STALL_RULE, "hang"))
         was_stalled, state.stalled = state.stalled, stall is not None and _stalled(doc)
         state.stall_shown = stall is not None
-        state.diagnosis_cost = time.perf_counter() - t0
-        state.last_diagnosis_at = self._mono()
-        self.metrics.diagnoses.inc()
-        self.metrics.diagnosis_seconds.observe(state.diagnosis_cost)
+        if last is None:  # the cost of an engine pass (the diagnoser's pace), not of a reuse
+            state.diagnosis_cost = time.perf_counter() - t0
+            state.last_diagnosis_at = self._mono()
+            self.metrics.diagnoses.inc()
+            self.metrics.diagnosis_seconds.observe(state.diagnosis_cost)
         doc["agents"] = sorted(self.agents.get(state.job, {}).values(), key=lambda a: str(a["agent"]))
         doc["open"] = True
         record = await self._node_history(state.job, doc)

@@ -297,3 +297,55 @@ async def test_the_last_awaited_agent_s_batch_ends_the_wait(tmp_path: Path, libr
     firing = [(at, a) for at, a in rec.sent if "endsAt" not in a]
     assert [a["labels"]["rank"] for _, a in firing] == ["0"], rec.sent
     assert firing[0][0] - sent_at[0] < 0.5
+
+
+@pytest.mark.asyncio
+async def test_a_held_alert_takes_one_diagnosis_for_the_agents_it_waits_on(
+    tmp_path: Path, library: RuleSet
+) -> None:
+    """A cascade while the first alert is held: node3's agent is first heard from after the wait
+    began, with a batch read before the initiator's line (it was on its way), and node2's agent
+    brings a symptom of the story. The agents are waited on together, and the batches that come
+    meanwhile bring no diagnosis of their own: one diagnosis for the initiator, one once the last
+    awaited agent read past its line."""
+    registry = CollectorRegistry()
+    metrics = Metrics(registry)
+    rec = Recorder()
+    async with Store(tmp_path / "denpex.db") as store:
+        alerter = Alerter(store, metrics, [rec], generator="test")
+        table = JobTable(ServeConfig(alert_settle_s=5.0, debounce_s=0.05), library, store, metrics, alerter)
+        alerter.gate = table.alert_wait
+        tasks = [asyncio.create_task(t) for t in (table.run_worker(), table.writer.run(), alerter.run())]
+
+        def runs() -> float:
+            return registry.get_sample_value("denpex_diagnosis_runs_total") or 0.0
+
+        async def send(node: str, events: list[Event], sent_at: float | None = None) -> None:
+            batch = wire.Batch(f"{node}-agent", "job-1", node, sent_at or time.time(), 1, events)
+            if any(e.kind == "match" for e in events):
+                await table.hoist(batch)
+            await table.submit(batch, lambda: None)
+
+        try:
+            await send("node1", _steps("node1", [0, 1]))
+            await send("node2", _steps("node2", [2, 3]))
+            await asyncio.sleep(0.1)
+            before = runs()
+            oom_sent = time.time()
+            await send("node1", [_ev(library, "node1", 0, "cuda-oom", T0 + 6.0, 100)], sent_at=oom_sent)
+            await asyncio.sleep(0.1)  # the first diagnosis; the alert is held for node2
+            assert runs() == before + 1 and rec.sent == []
+            await send("node3", _steps("node3", [4, 5]), sent_at=oom_sent - 0.01)  # read before it
+            for i in range(3):  # node2's symptoms of the story while node3 is still awaited
+                await send("node2", [_ev(library, "node2", 2, "cuda-oom", T0 + 6.3 + i, 200 + i)])
+                await asyncio.sleep(0.1)
+            assert runs() == before + 1 and rec.sent == []
+            await send("node3", [_ev(library, "node3", 5, "nccl-remote-error", T0 + 6.5, 100)])  # read past
+            await asyncio.sleep(0.3)
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+    firing = [a for _, a in rec.sent if "endsAt" not in a]
+    assert [a["labels"]["rank"] for a in firing] == ["0"], rec.sent
+    assert runs() == before + 2

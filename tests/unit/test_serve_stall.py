@@ -236,3 +236,51 @@ async def test_a_rank_at_its_planned_last_step_is_done(tmp_path: Path, library: 
             h.clock.t = n * STEP_S
             await h.feed([_epoch_step(r, n, n, total=30) for r in range(4)])
         assert (await h.at(100.0))["stall"] is None and h.sink.alerts == []
+
+
+def _oom(rank: int, step: int) -> Event:
+    return Event(
+        id=f"r{rank}-oom", kind="match", job="job-s", node=f"n{rank // 2}", rank=rank,
+        local_rank=rank % 2, file=f"/logs/rank{rank}.log", offset=step * 80 + 40, line_no=step,
+        ts=T0 + step * STEP_S + 0.05, ts_source="line", rule="cuda-oom", severity="error",
+        role="root-cause", category="out-of-memory",
+        text="torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB",
+    )  # fmt: skip
+
+
+@pytest.mark.asyncio
+async def test_a_failed_job_that_stops_shows_its_stall_without_another_engine_pass(
+    tmp_path: Path, library: RuleSet
+) -> None:
+    """Every failed job stops logging steps: when its stall turns, with no event since its last
+    diagnosis, the document gains the stall and keeps the engine's answer, which is not made again
+    (a pass over every rank of a large job); an event after that makes it again."""
+    async with harness(tmp_path, library) as h:
+        await h.steps(20)
+        h.clock.t = 20 * STEP_S + 0.05
+        await h.feed([_oom(2, 20)])
+        before = await h.at(20 * STEP_S + 0.1)
+        assert before["verdict"] == "failed" and before["initiator"]["rank"] == 2 and before["stall"] is None
+        state = h.table.jobs["job-s"]
+        passes: list[int] = []
+        engine_diagnose = state.engine.diagnose
+
+        def counted() -> dict[str, Any]:
+            passes.append(1)
+            return engine_diagnose()
+
+        state.engine.diagnose = counted  # type: ignore[method-assign]
+        h.clock.t = 20 * STEP_S + 1.5  # past the 1 s threshold
+        await h.table.look_for_stalls()
+        doc = state.last_diagnosis()
+        assert doc is not None and passes == []
+        assert doc["stall"] is not None and doc["stall"]["last_step"] == 20
+        assert {k: v for k, v in doc.items() if k not in ("stall", "agents")} == {
+            k: v for k, v in before.items() if k not in ("stall", "agents")
+        }
+        await h.table.look_for_stalls()  # shown already: nothing to do
+        assert passes == []
+        h.clock.t = 20 * STEP_S + 1.6
+        await h.feed([_step(0, 21)])  # news: the engine's answer is made again
+        await h.at(20 * STEP_S + 1.7)
+        assert passes == [1]
