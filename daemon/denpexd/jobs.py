@@ -48,9 +48,6 @@ log = logging.getLogger(__name__)
 
 MAX_AGENT_JOBS = 100_000  # jobs whose agents' statuses are remembered
 STALL_CHECK_S = 0.5  # how often the stall watch looks at the open jobs
-# how long a new incident's alert waits for an agent that died to come back (a supervisor
-# restarts it within seconds: systemd's RestartSec=2s, then its own start)
-LOST_AGENT_WAIT_S = 5.0
 HISTORICAL_S = 60.0  # a failure written longer ago than this is read from history (catch-up)
 HISTORICAL_QUIET_S = 2.0  # ... and its alert waits for this long a pause in the job's batches
 # The retained diagnosis on MQTT stays below what brokers take by default (EMQX 1 MB, our
@@ -436,7 +433,8 @@ class JobTable:
         initiator (0: fire now). Agents of other nodes that sent nothing since the initiator's
         event arrived may hold an earlier warning (their next read is due within a poll): wait
         up to alert_settle_s after that arrival. An agent that said it is catching up on a
-        backlog, or that (re)connected and has sent nothing since, may hold anything: wait up to
+        backlog, that died without a goodbye (its last will) and is not back, or that (re)connected
+        and has sent nothing since, may hold anything: wait up to
         alert_catchup_hold_s after the job first looked failed. A failure every rank shares so far
         (no single rank) is held that long too. Agents never heard from cannot be waited for."""
         state = self.jobs.get(job)
@@ -470,9 +468,11 @@ class JobTable:
                 continue
             mark = state.marks.get(agent)
             if status.get("lost"):
-                # died without a goodbye: a supervisor restarts it within seconds, and what its
-                # node wrote meanwhile is read then
-                wait = max(wait, min(catchup_left, since + LOST_AGENT_WAIT_S - now, 0.25))
+                # died without a goodbye: a supervisor restarts it (systemd's RestartSec=2s, then
+                # the agent's own start, which on a loaded node takes seconds more), and what its
+                # node wrote meanwhile is read then; until then its node may hold anything, as a
+                # backlog does: waited for up to the catch-up bound
+                wait = max(wait, min(catchup_left, 0.25))
             elif status["state"] == "online" and (mark is None or mark.arrived < since):
                 # (re)connected and not heard from since: its first read is on its way
                 wait = max(wait, min(catchup_left, 0.25))

@@ -195,6 +195,12 @@ class Metrics:
             "Client connections the embedded broker lost to an error of its own (the client reconnects)",
             registry=r,
         )
+        self.broker_deliveries_failed = Counter(
+            "denpex_broker_deliveries_failed_total",
+            "Messages the embedded broker could not send to a client whose connection had just "
+            "closed (agents send again what the daemon has not receipted)",
+            registry=r,
+        )
         self._kind = {k: self.events_ingested.labels(k) for k in KINDS}
         self._dup = {k: self.events_duplicate.labels(k) for k in KINDS}
         self._drop = {k: self.events_dropped.labels(k) for k in KINDS}

@@ -146,6 +146,7 @@ class App:
                     EmbeddedBroker(
                         cfg.mqtt_listen,
                         on_client_failure=self.metrics.broker_client_failures.inc,
+                        on_delivery_failure=self.metrics.broker_deliveries_failed.inc,
                         secret=cfg.agent_secret,
                         shared_password=cfg.agent_password,
                         intake=intake,

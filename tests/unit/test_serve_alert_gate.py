@@ -234,6 +234,26 @@ async def test_an_agent_that_died_is_waited_for_a_little(tmp_path: Path, library
 
 
 @pytest.mark.asyncio
+async def test_an_agent_that_died_is_waited_for_while_it_restarts_slowly(
+    tmp_path: Path, library: RuleSet
+) -> None:
+    """On a loaded node the supervisor's restart and the agent's own start take seconds: node2's
+    agent comes back 5.5 s after its last will, 5 s after node1's collateral error, with its
+    node's earlier warning. The alert waits for it (the catch-up bound, 10 s), names rank 3 and
+    nobody before it."""
+
+    async def script(send: Any) -> None:
+        await asyncio.sleep(0.5)
+        await send("node1", [_ev(library, "node1", 0, "loss-non-finite", T0 + 6.007, 100)])
+        await asyncio.sleep(5.0)
+        await send("node2", [_ev(library, "node2", 3, "megatron-nan-grad-norm", T0 + 6.0, 100)], online=True)
+
+    rec = await _scenario(tmp_path, library, script, node2_lost=True, alert_settle_s=0.3)
+    firing = [a for _, a in rec.sent if "endsAt" not in a]
+    assert [a["labels"]["rank"] for a in firing] == ["3"], rec.sent
+
+
+@pytest.mark.asyncio
 async def test_heartbeats_do_not_keep_old_news_waiting(tmp_path: Path, library: RuleSet) -> None:
     """Agents idle after reading history still send heartbeats: they read nothing new, so the
     alert does not wait for them beyond the pause."""
