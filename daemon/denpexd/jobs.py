@@ -467,14 +467,13 @@ class JobTable:
             if since is None or catchup_left <= 0:
                 continue
             mark = state.marks.get(agent)
-            if status.get("lost"):
-                # died without a goodbye: a supervisor restarts it (systemd's RestartSec=2s, then
-                # the agent's own start, which on a loaded node takes seconds more), and what its
-                # node wrote meanwhile is read then; until then its node may hold anything, as a
-                # backlog does: waited for up to the catch-up bound
-                wait = max(wait, min(catchup_left, 0.25))
-            elif status["state"] == "online" and (mark is None or mark.arrived < since):
-                # (re)connected and not heard from since: its first read is on its way
+            # died without a goodbye (a supervisor restarts it: systemd's RestartSec=2s, then the
+            # agent's own start, which on a loaded node takes seconds more; what its node wrote
+            # meanwhile is read then), or (re)connected and not heard from since (its first read
+            # is on its way): its node may hold anything, as a backlog does; look again soon, up
+            # to the catch-up bound
+            awaited = status["state"] == "online" and (mark is None or mark.arrived < since)
+            if status.get("lost") or awaited:
                 wait = max(wait, min(catchup_left, 0.25))
         settling: set[str] = set()
         for agent, mark in state.marks.items():
@@ -750,8 +749,13 @@ class JobTable:
                 # a failure the engine found stands, whatever the stall: with no event since
                 # its last diagnosis only the document's `stall` changes (no engine pass over
                 # every rank of a large job that has just stopped)
-                reuse = state.verdict == "failed" and not state.stalled and state.dirty_since is None
-                await self.diagnose(state, reuse=reuse and state.broken is None)
+                reuse = (
+                    state.verdict == "failed"
+                    and not state.stalled
+                    and state.dirty_since is None
+                    and state.broken is None
+                )
+                await self.diagnose(state, reuse=reuse)
 
     def _mark_dirty(self, state: JobState, *, progress_only: bool = False) -> None:
         wake = False
