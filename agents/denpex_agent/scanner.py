@@ -560,7 +560,13 @@ class LineScanner:
                 return None
         if block_end < 0:
             block_end = header.end
-        inside = [h for h in later if h.start <= block_end and stream_key(h.line) in (key, "")]
+        # the block's own headings and frames are not what it is: a line inside that a signature
+        # knows (the exception line, an error the exception carries) is
+        inside = [
+            h
+            for h in later
+            if h.start <= block_end and stream_key(h.line) in (key, "") and h.rule.fold != "python-traceback"
+        ]
         best = min(
             inside,
             key=lambda h: (h.rule.fallback, -h.rule.severity_level, _role_rank(h.rule.role)),

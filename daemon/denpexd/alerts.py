@@ -128,9 +128,9 @@ def alerts_on(doc: dict[str, Any]) -> bool:
 def build_alert(job: str, doc: dict[str, Any], starts: float, generator: str) -> dict[str, Any]:
     rc = doc.get("root_cause") or {}
     ini = doc.get("initiator")
-    if ini is None:  # every rank failed the same way
+    if ini is None:  # the job failed as a whole: every rank alike, or its set-up
         ini = {"rank": None, "node": "", "rule": rc.get("rule"), "category": rc.get("category")}
-        where = "every rank"
+        where = "the whole job (no single rank)"
     else:
         where = f"node {ini.get('node')} rank {ini.get('rank')}"
     return {

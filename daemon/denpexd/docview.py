@@ -39,6 +39,21 @@ def job_failure(d: dict[str, Any]) -> str | None:
     return None
 
 
+def shared_failure_line(rule: str | None, ranks: list[int]) -> str:
+    """Why no single rank is named when the decisive error is the job's: the ranks that logged it
+    all failed the same way, or, when only one rank's line is in the logs, the rule says the
+    message is about the job's set-up (the rank that printed it only noticed it)."""
+    if len(ranks) == 1:
+        return (
+            f"a failure of the job's set-up ({rule}, logged by rank {ranks[0]}): "
+            "the rank that printed it noticed it, it did not cause it"
+        )
+    return (
+        f"every rank failed the same way ({rule}" + (f", ranks {rank_ranges(ranks)}" if ranks else "") + "): "
+        "the job's set-up, not one rank, is the cause"
+    )
+
+
 def checkpoint_stall_line(ckpt: dict[str, Any]) -> str:
     """What `checkpoint_stall` says, in one sentence (it ends with a colon: the save line follows)."""
     return (

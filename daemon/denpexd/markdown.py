@@ -31,6 +31,7 @@ from denpexd.docview import (
     offset,
     prose,
     rank_ranges,
+    shared_failure_line,
     stage_ranks,
     who,
 )
@@ -165,11 +166,7 @@ def _headline(d: dict[str, Any]) -> list[str]:
         if (whole := job_failure(d)) is not None:
             out.append(f"**No single rank:** {text(whole)}.")
         elif shared:
-            out.append(
-                f"**No single rank:** every rank failed the same way ({span(rc.get('rule'))}"
-                + (f", ranks {text(rank_ranges(ranks))}" if ranks else "")
-                + "): the job's set-up, not one rank, is the cause."
-            )
+            out.append(f"**No single rank:** {text(shared_failure_line(rc.get('rule'), ranks))}.")
         else:
             out.append(
                 f"**No single rank:** every rank only waited alike ({span(rc.get('rule'))}): no rank "

@@ -5,7 +5,14 @@ from __future__ import annotations
 import textwrap
 from typing import Any
 
-from denpexd.docview import chain_lag, checkpoint_stall_line, job_failure, logged_stall_line, who
+from denpexd.docview import (
+    chain_lag,
+    checkpoint_stall_line,
+    job_failure,
+    logged_stall_line,
+    shared_failure_line,
+    who,
+)
 
 EVIDENCE_LINES = 12
 DIVERGENT_RANKS_SHOWN = 8
@@ -16,11 +23,6 @@ def _wrap(label: str, text: str) -> list[str]:
         return []
     body = textwrap.wrap(text, width=96, subsequent_indent=" " * 12) or [""]
     return [f"{label:<11} {body[0]}", *body[1:]]
-
-
-def _ranks(ranks: list[int], shown: int = 12) -> str:
-    text = ",".join(str(r) for r in ranks[:shown])
-    return text + (f" and {len(ranks) - shown} more" if len(ranks) > shown else "")
 
 
 def _chain(chain: dict[str, Any] | None) -> list[str]:
@@ -162,11 +164,7 @@ def render_text(d: dict[str, Any]) -> str:
         if (whole := job_failure(d)) is not None:
             out.append(f"NO SINGLE RANK  {whole}")
         elif shared:
-            out.append(
-                f"NO SINGLE RANK  every rank failed the same way ({rc.get('rule')}"
-                + (f", ranks {_ranks(ranks)}" if ranks else "")
-                + "): the job's set-up, not one rank, is the cause"
-            )
+            out.append(f"NO SINGLE RANK  {shared_failure_line(rc.get('rule'), ranks)}")
         else:
             out.append(
                 f"NO SINGLE RANK  every rank only waited alike ({rc.get('rule')}): no rank stopped earlier, "

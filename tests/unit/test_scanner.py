@@ -469,3 +469,56 @@ def test_torchruns_rendezvous_result_maps_local_ranks_to_global(
     for size in (7, 64, 333):
         got = [e for e in _scan(matcher, data, [size]) if e.kind == "match" and "exitcode" in e.fields]
         assert [e.rank for e in got] == [3]
+
+
+_WATCHDOG_STACK = (
+    "Exception raised from checkTimeout at ../torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp:609 (most recent "
+    "call first):\n"
+    "frame #0: c10::Error::Error(c10::SourceLocation, std::string) + 0x96 (0x7fbeb989ef86 in "
+    "/opt/conda/lib/python3.11/site-packages/torch/lib/libc10.so)\n"
+    "frame #1: c10d::ProcessGroupNCCL::WorkNCCL::checkTimeout(std::optional<std::chrono::duration<long, "
+    "std::ratio<1l, 1000l> > >) + 0x1d2 (0x7fbebab8bf22 in /opt/conda/lib/python3.11/site-packages/torch/lib/"
+    "libtorch_cuda.so)\n"
+    "frame #2: c10d::ProcessGroupNCCL::watchdogHandler() + 0x233 (0x7fbebab92963 in "
+    "/opt/conda/lib/python3.11/site-packages/torch/lib/libtorch_cuda.so)\n"
+)
+
+
+def test_a_watchdog_stack_is_one_timeout_with_or_without_its_heading(library: RuleSet) -> None:
+    """The C++ stack of the NCCL watchdog belongs to the timeout printed above it (one event);
+    when an excerpt lost the heading, the stack alone still says a collective timed out."""
+    matcher = Matcher(library)
+    heading = (
+        "[rank1]:[E1129 10:00:03.000000 1 ProcessGroupNCCL.cpp:616] [Rank 1] Watchdog caught collective operation "
+        "timeout: WorkNCCL(SeqNum=5, OpType=ALLREDUCE, NumelIn=1, NumelOut=1, Timeout(ms)=600000) ran for 600010 "
+        "milliseconds before timing out.\n"
+    )
+    headed = [e for e in _scan(matcher, (heading + _WATCHDOG_STACK).encode()) if e.kind == "match"]
+    assert [(e.rule, e.rank) for e in headed] == [("nccl-watchdog-timeout", 1)]
+    assert "watchdogHandler" in headed[0].text  # the stack is part of the heading's event
+    alone = [e for e in _scan(matcher, _WATCHDOG_STACK.encode()) if e.kind == "match"]
+    assert [e.rule for e in alone] == ["nccl-watchdog-timeout"]
+
+
+def test_a_chained_traceback_is_what_its_known_exception_is_not_its_second_heading(library: RuleSet) -> None:
+    """A traceback chained to another ("During handling ...") is one record; its second
+    "Traceback" heading is part of it, not a reason to call the record a generic exception when
+    a signature knows one of its exception lines."""
+    data = (
+        b"[rank2]: Traceback (most recent call last):\n"
+        b'[rank2]:   File "train.py", line 40, in step\n'
+        b"[rank2]:     batch = next(it)\n"
+        b"[rank2]: StopIteration\n"
+        b"[rank2]: \n"
+        b"[rank2]: During handling of the above exception, another exception occurred:\n"
+        b"[rank2]: \n"
+        b"[rank2]: Traceback (most recent call last):\n"
+        b'[rank2]:   File "train.py", line 44, in step\n'
+        b"[rank2]:     loss.backward()\n"
+        b"[rank2]: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total "
+        b"capacity of 79.15 GiB of which 1.06 GiB is free.\n"
+        b"2026-11-29 10:00:02,000 INFO [rank0] after\n"
+    )
+    events = [e for e in _scan(Matcher(library), data) if e.kind == "match"]
+    assert [(e.rule, e.rank) for e in events] == [("cuda-oom", 2)]
+    assert "StopIteration" in events[0].text and "CUDA out of memory" in events[0].text
