@@ -49,6 +49,16 @@ class Hit:
     fields: dict[str, Any]
 
 
+# The lines in which an NCCL process states its rank (``NCCL_DEBUG=INFO``: its communicator's
+# ``comm 0x... rank R nranks N``, its ring and channel links), for the scanner to give a later
+# ``NCCL WARN`` of that process its rank. Found by the same scan as the rules, handed over as
+# offsets: never events.
+NCCL_RANK_SCAN = (
+    r"NCCL INFO (?:Ring|Channel) \d{1,3}(?:/\d{1,3})? ?: +\d{1,6}(?:\[[0-9a-fA-F]{1,16}\])? -> \d",
+    r"NCCL INFO (?:\w{1,40} )?comm 0x[0-9a-fA-F]{1,16} rank \d{1,6} n[Rr]anks \d",
+)
+
+
 def _vocabulary(patterns: Sequence[str]) -> str:
     """What the scan looks for of the fallback patterns, all in one: the level marker, then
     anywhere later on the line any of their vocabularies without look-arounds (a superset of the
@@ -231,6 +241,8 @@ class Matcher:
         if self._fallbacks:
             vocab = _vocabulary([p for i in self._fallbacks for p in self.rules[i].patterns])
             entries.append((len(self.rules), vocab, False))
+        self._rank_index = len(self.rules) + 1
+        entries.extend((self._rank_index, p, False) for p in NCCL_RANK_SCAN)
         self._db = PatternDatabase(entries)
         self._progress_db = PatternDatabase(
             [(i, p, r.ignore_case) for i, r in enumerate(self.progress_rules) for p in r.patterns]
@@ -259,15 +271,21 @@ class Matcher:
             end = start + self.max_line_chars
         return buf[start:end].decode("utf-8", "replace")
 
-    def scan(self, buf: bytes, limit: int | None = None) -> list[Hit]:
-        """Verified failure-rule hits in ``buf[:limit]``, one per line, in buffer order."""
+    def scan(self, buf: bytes, limit: int | None = None, rank_lines: list[int] | None = None) -> list[Hit]:
+        """Verified failure-rule hits in ``buf[:limit]``, one per line, in buffer order. With
+        ``rank_lines``, the end offsets of candidate NCCL rank lines (`NCCL_RANK_SCAN`) found by
+        the same pass are appended to it (unverified, possibly several per line)."""
         limit = len(buf) if limit is None else limit
         data = buf  # scanned whole (no copy); hits past ``limit`` belong to the next call
         raw: list[tuple[int, int]] = []
+        rank_index = self._rank_index
 
         def collect(idx: int, to: int) -> None:
             if to <= limit:
-                raw.append((to, idx))
+                if idx != rank_index:
+                    raw.append((to, idx))
+                elif rank_lines is not None:
+                    rank_lines.append(to)
 
         self._db.scan(data, collect)
         if not raw:

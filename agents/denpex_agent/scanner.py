@@ -72,6 +72,17 @@ _EL_SIGNAL = re.compile(r"Signal\s+(?P<sig>\d+)\s+\((?P<name>SIG[A-Z0-9]+)\)")
 _RANK_LIST = re.compile(rb"\b(local|global)_ranks=\[([\d, ]{0,4096})\]")
 _RANK_TAG = re.compile(r"\[(?i:rank):? ?\d{1,6}\]")
 _EL_HOST = re.compile(r"^\s*host\s*:\s*(?P<host>\S+)")
+# NCCL's debug prefix, ``host:pid:tid [cudaDev]``, and the INFO lines in which a process states its
+# rank in a communicator: ``comm 0x... rank R nranks N ... - Init COMPLETE`` (and ``Destroy``/``Abort``),
+# and its links, ``Ring 00 : A[a] -> B[b] via ...`` / ``Channel 00/0 : A[a] -> B[b] [send|receive] via``
+# (the printing process is A, or B on the receiving side)
+_NCCL_PREFIX = re.compile(r"(?:^|\s)(?P<host>[A-Za-z0-9][\w.-]{0,62}):(?P<pid>\d{1,9}):\d{1,9} \[\d{1,3}\] ")
+_NCCL_RANK_LINE = re.compile(
+    rb"(?P<host>[A-Za-z0-9][\w.-]{0,62}):(?P<pid>\d{1,9}):\d{1,9} \[\d{1,3}\] NCCL INFO (?:"
+    rb"(?:Ring|Channel) \d{1,3}(?:/\d{1,3})? ?: +(?P<a>\d{1,6})(?:\[[0-9a-fA-F]{1,16}\])? -> "
+    rb"(?P<b>\d{1,6})(?:\[[0-9a-fA-F]{1,16}\])?(?: \[(?P<dir>send|receive)\])? +via "
+    rb"|(?:\w{1,40} )?comm 0x[0-9a-fA-F]{1,16} rank (?P<rank>\d{1,6}) n[Rr]anks (?P<nranks>\d{1,6}) )"
+)
 # A stall report that lists ranks (Horovod's stall inspector): `[ready ranks: 3, 0, 1]` / `[missing ranks: 2]`
 # after each stalled op, or a `Stalled ranks:` heading and one `N: [ops]` line per missing rank (`N!:` when that
 # rank is about to be shut down)
@@ -199,6 +210,12 @@ class LineScanner:
         self._rank_maps: list[tuple[int, dict[int, int]]] = []
         self._local_ranks: tuple[int, list[int]] | None = None  # the latest `local_ranks=[...]`
         self._rank_map_seen = 0  # file offset up to which lines were looked at for them
+        # NCCL processes' ranks, from their own INFO lines: (host, pid) -> the evidence so far
+        # (the largest communicator's size and the ranks stated in it, the ranks of its links) and
+        # the decisions, (file offset, rank or None when the evidence disagrees), in file order
+        self._nccl_seen = 0
+        self._nccl_evidence: dict[tuple[str, int], tuple[int, set[int], set[int]]] = {}
+        self._nccl_ranks: dict[tuple[str, int], list[tuple[int, int | None]]] = {}
         # sampling state: dense samples still to take, and the newest bucket that gave a sample
         self.dense_left, self.sampled_bucket = sampling if sampling is not None else (dense, -1)
         self._last_progress_offset = -1
@@ -404,13 +421,16 @@ class LineScanner:
         return events
 
     def _process(self, buf: bytes, cut: int, mode: int) -> tuple[list[Event], int]:
-        hits = self.matcher.scan(buf, cut)
+        rank_lines: list[int] | None = [] if self._track_tags else None
+        hits = self.matcher.scan(buf, cut, rank_lines)
         if self._track_tags and self._base < HEAD_BYTES:
             # tags are a property of the file's bytes: counting them once, as soon as they are
             # seen, is the same whatever comes of the buffer (events only look at earlier ones)
             self._add_tags(buf[: min(cut, HEAD_BYTES - self._base)], self._base)
         if self._track_tags:
             self._add_rank_maps(buf, cut, self._base)
+            if rank_lines:
+                self._add_nccl_ranks(buf, cut, self._base, rank_lines)
         events: list[Event] = []
         spans: list[tuple[int, int]] = []  # (start, end) of each record in `events`
         consumed = cut
@@ -711,6 +731,8 @@ class LineScanner:
             named_local = local_rank if local_rank is not None else fields.get("local_rank")
             if isinstance(named_local, int):
                 rank = self._mapped_rank(named_local, self._base + hit.start)
+        if rank is None and self._nccl_ranks:
+            rank = self._nccl_rank(line, self._base + hit.start)
         ts, ts_source = self._timestamp(buf, hit.start, line)
         if block_end > hit.end:
             text = buf[hit.start : block_end].decode("utf-8", "replace")
@@ -852,6 +874,58 @@ class LineScanner:
         # a list cut off at the buffer's end is looked at again with the rest of its line
         last_nl = data.rfind(b"\n", 0, cut)
         self._rank_map_seen = max(self._rank_map_seen, base + last_nl + 1)
+
+    def _add_nccl_ranks(self, data: bytes, cut: int, base: int, ends: list[int]) -> None:
+        """The rank each NCCL process states in its own INFO lines (``NCCL_DEBUG=INFO``), for
+        its later lines that carry only NCCL's ``host:pid:tid [dev]`` prefix (a ``NCCL WARN`` of
+        that process). A process in several communicators is taken at its rank in the largest
+        (the world's); one that states different ranks there (one process driving several GPUs),
+        or only links that disagree, gets none. ``ends``: where the matcher's scan found such
+        lines. Looked at once, in file order, like the rendezvous maps: the same bytes give the
+        same ranks however they were read."""
+        start = max(self._nccl_seen - base, 0)
+        last_nl = data.rfind(b"\n", 0, cut)
+        self._nccl_seen = max(self._nccl_seen, base + last_nl + 1)
+        done = start  # a line holding several candidates is read once
+        for end in sorted(ends):
+            if end <= done or end > last_nl + 1:
+                continue
+            line_start = data.rfind(b"\n", 0, end - 1) + 1
+            line_end = data.find(b"\n", end - 1, last_nl + 1)
+            done = line_end
+            if line_start < start:
+                continue
+            m = _NCCL_RANK_LINE.search(data, line_start, line_end)
+            if m is None:
+                continue
+            key = (m.group("host").decode("ascii", "replace"), int(m.group("pid")))
+            size, stated, linked = self._nccl_evidence.get(key, (0, set(), set()))
+            if m.group("rank") is not None:
+                n = int(m.group("nranks"))
+                if n > size:
+                    size, stated = n, {int(m.group("rank"))}
+                elif n == size:
+                    stated = stated | {int(m.group("rank"))}
+            else:
+                linked = linked | {int(m.group("b") if m.group("dir") == b"receive" else m.group("a"))}
+            self._nccl_evidence[key] = (size, stated, linked)
+            ranks = stated if stated else linked
+            decided = next(iter(ranks)) if len(ranks) == 1 else None
+            history = self._nccl_ranks.setdefault(key, [])
+            if not history or history[-1][1] != decided:
+                history.append((base + m.start(), decided))
+
+    def _nccl_rank(self, line: str, offset: int) -> int | None:
+        """The rank of the NCCL process whose prefix the line carries, as its INFO lines before
+        ``offset`` stated it."""
+        m = _NCCL_PREFIX.search(line, 0, 200)
+        if m is None:
+            return None
+        history = self._nccl_ranks.get((m.group("host"), int(m.group("pid"))))
+        for at, rank in reversed(history or ()):
+            if at < offset:
+                return rank
+        return None
 
     def _mapped_rank(self, local: int, offset: int) -> int | None:
         """The global rank of ``local`` under the latest rendezvous result before ``offset``."""

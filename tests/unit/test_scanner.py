@@ -522,3 +522,70 @@ def test_a_chained_traceback_is_what_its_known_exception_is_not_its_second_headi
     events = [e for e in _scan(Matcher(library), data) if e.kind == "match"]
     assert [(e.rule, e.rank) for e in events] == [("cuda-oom", 2)]
     assert "StopIteration" in events[0].text and "CUDA out of memory" in events[0].text
+
+
+def _nccl_warn_ranks(library: RuleSet, text: str) -> list[int | None]:
+    events = _scan(Matcher(library), text.encode())
+    return [e.rank for e in events if e.kind == "match" and e.rule == "nccl-unhandled-cuda-error"]
+
+
+def test_an_nccl_warning_takes_the_rank_its_process_stated(library: RuleSet) -> None:
+    """A ``NCCL WARN`` carries only NCCL's ``host:pid:tid [dev]`` prefix; the same process's
+    INFO lines said its rank before: a ring or channel link it sends on (the receiving end of a
+    ``[receive]`` link), or its communicator's ``rank R nranks N`` (the largest communicator's
+    rank when it is in several)."""
+    links = (
+        # Horovod over NCCL 2.3 (horovod/horovod#893): the rank on the sending side of a ring link
+        "heinzel135:151780:151928 [2] NCCL INFO Ring 00 : 2[2] -> 3[3] via direct shared memory\n"
+        "heinzel136:84299:84449 [0] NCCL INFO Ring 00 : 3 -> 4 [receive] via NET/IB/0\n"
+        # NCCL 2.18 channels, a bus id or a device in brackets
+        "tpgds-aihub0008:181411:181411 [0] NCCL INFO Channel 00/0 : 1[1] -> 8[0] [receive] via NET/IB/0/GDRDMA\n"
+        "tesla-105:1480:2169 [2] NCCL INFO Channel 01 : 2[af000] -> 3[b1000] via P2P/IPC\n"
+        "heinzel135:151780:151928 [2] include/shm.h:42 NCCL WARN Cuda failure 'invalid argument'\n"
+        "heinzel136:84299:84449 [0] include/shm.h:42 NCCL WARN Cuda failure 'invalid argument'\n"
+        "tpgds-aihub0008:181411:181413 [0] transport/p2p.cc:275 NCCL WARN Cuda failure 'invalid argument'\n"
+        "tesla-105:1480:2170 [2] misc/shmutils.cc:103 NCCL WARN Cuda failure 'invalid argument'\n"
+    )
+    assert _nccl_warn_ranks(library, links) == [2, 4, 8, 2]
+    comms = (
+        "node7:2338:2379 [2] NCCL INFO comm 0x87952f0 rank 0 nranks 2 cudaDev 2 busId 3d000 - Init COMPLETE\n"
+        "node7:2338:2379 [2] NCCL INFO ncclCommInitRank comm 0x8df0a00 rank 6 nranks 8 cudaDev 2 nvmlDev 2 "
+        "busId 3d000 commId 0x5e1c - Init COMPLETE\n"
+        "node7:2338:2379 [2] NCCL INFO comm 0x87952f0 rank 1 nranks 4 cudaDev 2 busId 3d000 - Init COMPLETE\n"
+        "node7:2338:2390 [2] transport/nvls.cc:157 NCCL WARN Cuda failure 1 'invalid argument'\n"
+    )
+    assert _nccl_warn_ranks(library, comms) == [6]
+
+
+def test_an_nccl_process_that_states_no_single_rank_gives_none(library: RuleSet) -> None:
+    """One process driving several GPUs (nccl-tests ``-g 8``) states several ranks in equal
+    communicators; a warning printed before the process said anything gets none either."""
+    text = (
+        "h100-1:9821:9821 [0] top.cc:1 NCCL WARN Cuda failure 'invalid argument'\n"
+        "nf5688m7-1:422771:422771 [0] NCCL INFO comm 0x5598478a4d90 rank 1 nranks 8 cudaDev 1 busId 34000 - Init "
+        "COMPLETE\n"
+        "nf5688m7-1:422771:422771 [0] NCCL INFO comm 0x5598478aaae0 rank 2 nranks 8 cudaDev 2 busId 48000 - Init "
+        "COMPLETE\n"
+        "h100-1:9821:9821 [0] NCCL INFO Channel 00/0 : 0[0] -> 1[1] via P2P/IPC\n"
+        "nf5688m7-1:422771:422790 [0] init.cc:416 NCCL WARN Cuda failure 'operation not supported'\n"
+    )
+    assert _nccl_warn_ranks(library, text) == [None, None]
+
+
+@given(st.lists(st.integers(min_value=1, max_value=97), min_size=1, max_size=12))
+@settings(max_examples=40, deadline=None)
+def test_nccl_process_ranks_do_not_depend_on_read_sizes(sizes: list[int]) -> None:
+    lib = load_rules()
+    text = (
+        b"heinzel135:151780:151928 [2] NCCL INFO Ring 00 : 2[2] -> 3[3] via direct shared memory\n"
+        b"heinzel135:151779:151929 [1] NCCL INFO Ring 00 : 1[1] -> 2[2] via direct shared memory\n"
+        b"heinzel135:151780:151928 [2] include/shm.h:42 NCCL WARN Cuda failure 'invalid argument'\n"
+        b"heinzel135:151779:151929 [1] include/shm.h:42 NCCL WARN Cuda failure 'invalid argument'\n"
+    )
+    whole = [_key(e) for e in _scan(_MATCHER_CACHE.setdefault("lib", Matcher(lib)), text)]
+    cut = [_key(e) for e in _scan(_MATCHER_CACHE["lib"], text, sizes)]
+    assert cut == whole
+    assert [k[4] for k in whole if k[1] == "nccl-unhandled-cuda-error"] == [2, 1]
+
+
+_MATCHER_CACHE: dict[str, Matcher] = {}
