@@ -76,9 +76,10 @@ _EL_HOST = re.compile(r"^\s*host\s*:\s*(?P<host>\S+)")
 # rank in a communicator: ``comm 0x... rank R nranks N ... - Init COMPLETE`` (and ``Destroy``/``Abort``),
 # and its links, ``Ring 00 : A[a] -> B[b] via ...`` / ``Channel 00/0 : A[a] -> B[b] [send|receive] via``
 # (the printing process is A, or B on the receiving side)
-_NCCL_PREFIX = re.compile(r"(?:^|\s)(?P<host>[A-Za-z0-9][\w.-]{0,62}):(?P<pid>\d{1,9}):\d{1,9} \[\d{1,3}\] ")
+_NCCL_HEAD = r"(?P<host>[A-Za-z0-9][\w.-]{0,62}):(?P<pid>\d{1,9}):\d{1,9} \[\d{1,3}\] "
+_NCCL_PREFIX = re.compile(r"(?:^|\s)" + _NCCL_HEAD)
 _NCCL_RANK_LINE = re.compile(
-    rb"(?P<host>[A-Za-z0-9][\w.-]{0,62}):(?P<pid>\d{1,9}):\d{1,9} \[\d{1,3}\] NCCL INFO (?:"
+    _NCCL_HEAD.encode() + rb"NCCL INFO (?:"
     rb"(?:Ring|Channel) \d{1,3}(?:/\d{1,3})? ?: +(?P<a>\d{1,6})(?:\[[0-9a-fA-F]{1,16}\])? -> "
     rb"(?P<b>\d{1,6})(?:\[[0-9a-fA-F]{1,16}\])?(?: \[(?P<dir>send|receive)\])? +via "
     rb"|(?:\w{1,40} )?comm 0x[0-9a-fA-F]{1,16} rank (?P<rank>\d{1,6}) n[Rr]anks (?P<nranks>\d{1,6}) )"
@@ -161,6 +162,18 @@ def heartbeat(
     )
 
 
+@dataclass(slots=True)
+class _NcclProcess:
+    """What one NCCL process's INFO lines said of its rank so far: the largest communicator's size
+    and the ranks stated in it, the ranks of its links, and the decisions they gave, (file offset,
+    rank or None when the evidence disagrees), in file order."""
+
+    size: int = 0
+    stated: set[int] = field(default_factory=set)
+    linked: set[int] = field(default_factory=set)
+    history: list[tuple[int, int | None]] = field(default_factory=list)
+
+
 class LineScanner:
     """Turns a file's bytes, fed in order, into match and progress events."""
 
@@ -210,12 +223,9 @@ class LineScanner:
         self._rank_maps: list[tuple[int, dict[int, int]]] = []
         self._local_ranks: tuple[int, list[int]] | None = None  # the latest `local_ranks=[...]`
         self._rank_map_seen = 0  # file offset up to which lines were looked at for them
-        # NCCL processes' ranks, from their own INFO lines: (host, pid) -> the evidence so far
-        # (the largest communicator's size and the ranks stated in it, the ranks of its links) and
-        # the decisions, (file offset, rank or None when the evidence disagrees), in file order
+        # NCCL processes' ranks, from their own INFO lines, by (host, pid)
         self._nccl_seen = 0
-        self._nccl_evidence: dict[tuple[str, int], tuple[int, set[int], set[int]]] = {}
-        self._nccl_ranks: dict[tuple[str, int], list[tuple[int, int | None]]] = {}
+        self._nccl_ranks: dict[tuple[str, int], _NcclProcess] = {}
         # sampling state: dense samples still to take, and the newest bucket that gave a sample
         self.dense_left, self.sampled_bucket = sampling if sampling is not None else (dense, -1)
         self._last_progress_offset = -1
@@ -899,21 +909,19 @@ class LineScanner:
             if m is None:
                 continue
             key = (m.group("host").decode("ascii", "replace"), int(m.group("pid")))
-            size, stated, linked = self._nccl_evidence.get(key, (0, set(), set()))
+            proc = self._nccl_ranks.setdefault(key, _NcclProcess())
             if m.group("rank") is not None:
                 n = int(m.group("nranks"))
-                if n > size:
-                    size, stated = n, {int(m.group("rank"))}
-                elif n == size:
-                    stated = stated | {int(m.group("rank"))}
+                if n > proc.size:
+                    proc.size, proc.stated = n, {int(m.group("rank"))}
+                elif n == proc.size:
+                    proc.stated.add(int(m.group("rank")))
             else:
-                linked = linked | {int(m.group("b") if m.group("dir") == b"receive" else m.group("a"))}
-            self._nccl_evidence[key] = (size, stated, linked)
-            ranks = stated if stated else linked
+                proc.linked.add(int(m.group("b") if m.group("dir") == b"receive" else m.group("a")))
+            ranks = proc.stated or proc.linked
             decided = next(iter(ranks)) if len(ranks) == 1 else None
-            history = self._nccl_ranks.setdefault(key, [])
-            if not history or history[-1][1] != decided:
-                history.append((base + m.start(), decided))
+            if not proc.history or proc.history[-1][1] != decided:
+                proc.history.append((base + m.start(), decided))
 
     def _nccl_rank(self, line: str, offset: int) -> int | None:
         """The rank of the NCCL process whose prefix the line carries, as its INFO lines before
@@ -921,8 +929,8 @@ class LineScanner:
         m = _NCCL_PREFIX.search(line, 0, 200)
         if m is None:
             return None
-        history = self._nccl_ranks.get((m.group("host"), int(m.group("pid"))))
-        for at, rank in reversed(history or ()):
+        proc = self._nccl_ranks.get((m.group("host"), int(m.group("pid"))))
+        for at, rank in reversed(proc.history if proc else ()):
             if at < offset:
                 return rank
         return None
