@@ -144,7 +144,9 @@ class Agent:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._busy_since: float | None = None  # monotonic start of the reader's current poll
         self._polled_at = 0.0  # monotonic start of the reader's latest poll
-        self._behind = 0  # the reader's unread bytes after its last poll
+        # the reader's unread bytes after its last poll; None until its first poll is done (the
+        # heartbeats then say the files' unread sizes: a first read of a backlog may take long)
+        self._behind: int | None = None
         self._slow_reported = False
         self._views: list[_FileView] = []
         self._seq = 0
@@ -302,10 +304,10 @@ class Agent:
             events, marks, more = self.tailer.poll(min(room, 8 * cfg.read_chunk))
             self._busy_since = None
             read_at = time.time()
-            self._behind = self.tailer.behind
+            self._behind = behind = self.tailer.behind
             if events or marks:
                 stale = True
-                item = _Item(events, marks, sum(map(_event_size, events)), read_at, self._behind)
+                item = _Item(events, marks, sum(map(_event_size, events)), read_at, behind)
                 self._hand_over(item)
             if (stale or not tailer.watching) and read_at - self._views_at >= cfg.heartbeat_interval / 2:
                 self._views_at = read_at
@@ -404,7 +406,10 @@ class Agent:
                 heartbeat(v.source, v.identity, int(now * 1000), v.pos, v.line_no, v.last_ts, fields)
             )
         if beats:
-            item = _Item(beats, [], sum(map(_event_size, beats)), now, self._behind)
+            behind = self._behind
+            if behind is None:
+                behind = sum(v.lag for v in self._views)
+            item = _Item(beats, [], sum(map(_event_size, beats)), now, behind)
             with self._lock:
                 self._inflight += item.size
             self._queue.put_nowait(item)

@@ -114,6 +114,16 @@ async def test_heartbeats_go_on_and_sigterm_is_answered_while_a_scan_is_stuck(tm
             assert 'denpex_agent_warnings_total{reason="pattern-timeout"}' in body
             slow = [e for e in got.events("heartbeat") if "scan_busy_s" in e.fields]
             assert slow, "heartbeats say that the reader is busy"
+            # the stuck scan is the reader's first: until it ends, the heartbeats say the files'
+            # unread bytes (the daemon's alert gate waits for an agent catching up on a backlog)
+            first_read = next(
+                (i for i, b in enumerate(got.batches) if any(e.kind != "heartbeat" for e in b.events)),
+                len(got.batches),
+            )
+            early = got.batches[:first_read]
+            assert early and all(b.behind >= log.stat().st_size // 2 for b in early), [
+                b.behind for b in early
+            ]
             rc, took = await _sigterm(proc, 10)
         finally:
             _reap(proc)
