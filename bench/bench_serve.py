@@ -34,6 +34,11 @@ daemon's RSS per open failed 4,096-rank job, optionally against another checkout
         [--mosquitto PATH] [--profile OUT.pstats]
     python bench/bench_serve.py --memory-jobs 4 [--memory-rounds 3] [--baseline-tree DIR]
         [--tracemalloc PATH]
+    python bench/bench_serve.py --rounds 3 [--variant DENPEX_KEY=VALUE ...] [--baseline-tree DIR]
+
+With `--rounds N` and a `--variant` (settings) or a `--baseline-tree` (another checkout), each
+side gets a fresh daemon per round, the sides alternating, and the JSON holds every run and each
+side's medians.
 """
 
 from __future__ import annotations
@@ -245,15 +250,18 @@ async def daemon(
     *,
     tree: str | None = None,
     snapshot: str | None = None,
+    settings: dict[str, str] | None = None,
 ) -> Any:
     """`denpexd serve` against `broker` as a subprocess, from this checkout or from `tree` (another
     checkout's root: its daemon/, agents/ and itself on PYTHONPATH); yields (process, API URL).
-    `snapshot`: run under tracemalloc, each SIGUSR1 dumps a snapshot to that path + ".0", ".1", ..."""
+    `snapshot`: run under tracemalloc, each SIGUSR1 dumps a snapshot to that path + ".0", ".1", ...;
+    `settings`: DENPEX_* variables for the daemon (its configuration: `--variant`)."""
     http = _free_port()
     data = tempfile.mkdtemp(prefix="denpex-bench-")
     url = f"http://127.0.0.1:{http}"
     env = {k: v for k, v in os.environ.items() if not k.startswith("DENPEX_")}
     env.update(DENPEX_STALL_FLOOR_S=str(args.stall_floor), DENPEX_STALL_FACTOR="2")
+    env.update(settings or {})
     if tree is not None:
         env["PYTHONPATH"] = os.pathsep.join(f"{tree}/{d}" for d in ("agents", "daemon", "."))
     if snapshot is not None:
@@ -290,9 +298,56 @@ async def daemon(
 async def run_with(args: argparse.Namespace, broker: tuple[str, int]) -> dict[str, Any]:
     if args.memory_jobs:
         return await memory_mode(args, broker)
-    client_id = f"denpexd-bench-{uuid.uuid4().hex[:8]}"
-    async with daemon(args, broker, client_id) as (proc, url):
-        return await phases(args, broker, client_id, proc, url)
+    sides: list[tuple[str, str | None, dict[str, str]]] = [("this", None, {})]
+    if args.variant:
+        sides.append(("variant", None, dict(args.variant)))
+    if args.baseline_tree:
+        sides.append(("baseline", args.baseline_tree, {}))
+    if len(sides) == 1 and args.rounds == 1:
+        client_id = f"denpexd-bench-{uuid.uuid4().hex[:8]}"
+        async with daemon(args, broker, client_id) as (proc, url):
+            return await phases(args, broker, client_id, proc, url)
+    # Compared: a fresh daemon per side and round, the sides alternating (each round reverses
+    # the order), all against the same broker, so that every side sees the same minutes.
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name, _, _ in sides}
+    for r in range(args.rounds):
+        for name, tree, settings in sides if r % 2 == 0 else sides[::-1]:
+            client_id = f"denpexd-bench-{uuid.uuid4().hex[:8]}"
+            async with daemon(args, broker, client_id, tree=tree, settings=settings) as (proc, url):
+                runs[name].append(await phases(args, broker, client_id, proc, url))
+            print(f"round {r + 1} {name}: {_side_line(runs[name][-1])}", file=sys.stderr)
+    summary = {name: _side_summary(got) for name, got in runs.items()}
+    return {
+        "compared": {name: {"tree": tree or ".", "settings": settings} for name, tree, settings in sides},
+        "rounds": args.rounds,
+        "summary": summary,
+        "runs": runs,
+    }
+
+
+def _side_line(got: dict[str, Any]) -> str:
+    lat = got["latency_ms"]
+    return (
+        f"{got['throughput']['events_per_cpu_s']} events/CPU-s "
+        f"(ratio {got['throughput']['ratio_to_reference']}), alert p50/p99 {lat.get('alert_p50')}/"
+        f"{lat.get('alert_p99')} ms, {got['diagnosis_runs']:.0f} diagnoses"
+    )
+
+
+def _side_summary(got: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per side, every round's figure and their median."""
+
+    def each(f: Any) -> dict[str, Any]:
+        xs = [f(g) for g in got]
+        return {"each": xs, "median": statistics.median(xs)}
+
+    return {
+        "events_per_cpu_s": each(lambda g: g["throughput"]["events_per_cpu_s"]),
+        "ratio_to_reference": each(lambda g: g["throughput"]["ratio_to_reference"]),
+        "alert_p50_ms": each(lambda g: g["latency_ms"].get("alert_p50")),
+        "alert_p99_ms": each(lambda g: g["latency_ms"].get("alert_p99")),
+        "diagnosis_runs": each(lambda g: g["diagnosis_runs"]),
+    }
 
 
 async def phases(
@@ -559,6 +614,13 @@ async def stall_phase(
     }
 
 
+def _setting(text: str) -> tuple[str, str]:
+    key, eq, value = text.partition("=")
+    if not eq or not key.startswith("DENPEX_"):
+        raise argparse.ArgumentTypeError(f"expected DENPEX_KEY=VALUE, got {text!r}")
+    return key, value
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--nodes", type=int, default=512)
@@ -595,8 +657,23 @@ def main() -> None:
     p.add_argument(
         "--baseline-tree",
         metavar="DIR",
-        help="--memory-jobs: also measure the daemon of another checkout (e.g. `git archive` of an "
-        "earlier commit unpacked in DIR), rounds alternating",
+        help="also measure the daemon of another checkout (e.g. `git archive` of an earlier commit "
+        "unpacked in DIR), rounds alternating (--memory-rounds with --memory-jobs, else --rounds)",
+    )
+    p.add_argument(
+        "--variant",
+        metavar="DENPEX_KEY=VALUE",
+        action="append",
+        type=_setting,
+        default=[],
+        help="also measure this checkout's daemon with these settings (repeatable; the DENPEX_* "
+        "variables of `denpexd serve`), rounds alternating with the defaults",
+    )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="phases: fresh daemons per side (this checkout, --variant, --baseline-tree), alternating",
     )
     p.add_argument(
         "--tracemalloc",
