@@ -100,6 +100,7 @@ INT_FIELDS = frozenset(
         "exitcode",
         "signal",
         "pid",
+        "worker_pid",  # a worker process its launcher lists, in local-rank order (analysis.workers)
         "seq",
         "announced_rank",
         "world_size",

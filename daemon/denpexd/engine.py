@@ -63,6 +63,7 @@ from denpexd.analysis.tracks import (
     share_empties,
 )
 from denpexd.analysis.trends import scale_fall, step_at, trends
+from denpexd.analysis.workers import WorkerPids, note_worker, ranked_by_pid
 from denpexd.clock import ClockEstimate, align
 from denpexd.stall import STALL_RULE
 
@@ -110,6 +111,7 @@ class Engine:
         self.scale_levels: dict[float, Event] = {}  # each loss scale reported -> its first line
         self.log_times: LogTimes = {}  # each node's newest timestamp and quiet_since (heartbeats)
         self.pauses: dict[str, float] = {}  # each node's newest announced pause (evaluation, save)
+        self.worker_pids: WorkerPids = {}  # the worker processes launchers listed (analysis.workers)
         self._trend_cache: tuple[Any, list[dict[str, Any]]] | None = None
         self.events_seen = 0
         # rule events per (node, rank) of ranks without a track (their tracks count the others)
@@ -157,6 +159,9 @@ class Engine:
         scale = ev.fields.get("scale")
         if isinstance(scale, float) and math.isfinite(scale):
             self._scale(scale, ev)
+        worker = ev.fields.get("worker_pid")
+        if worker.__class__ is int and ev.offset is not None:
+            note_worker(self.worker_pids, ev.node, ev.file, worker, ev.offset)
         if ev.local_rank is not None and tee_echo(ev.text):
             rule += ECHO  # a launcher's echo of a worker's line: its own aggregate (see _unechoed)
         ev = _kept(ev)
@@ -373,7 +378,15 @@ class Engine:
         rules = self.rules
         nodes = self.nodes()
         clocks = self.clocks(nodes)
-        aggs, tracks = ranks.resolved(self.aggs, self.unranked, self.tracks, self.unranked_tracks)
+        unranked, by_pid = self.unranked, None
+        if self.worker_pids and unranked:
+            unranked, by_pid = ranked_by_pid(unranked, self.worker_pids, self.tracks, nodes)
+        aggs, tracks = ranks.resolved(self.aggs, unranked, self.tracks, self.unranked_tracks)
+        if by_pid:
+            aggs = dict(aggs)
+            for key, ua in by_pid.items():
+                cur = aggs.get(key)
+                aggs[key] = ua if cur is None else cur.merged(ua)
         aggs = _unechoed(aggs)
 
         def aligned(node: str, ts: float | None) -> float | None:
