@@ -245,10 +245,14 @@ class Alerter:
         n = self._episodes.get(job, 0)
         key = f"{INCIDENT}-{n + 1}" if n else INCIDENT
         self.active[job] = Incident(key, alert, now, now)
-        await self.store.record_incident(job, key, now, alert)
         log.info("incident fired job=%s node=%s rank=%s rule=%s", job, alert["labels"]["node"],
                  alert["labels"]["rank"], alert["labels"]["rule"])  # fmt: skip
+        # The alert first: recording the incident may wait behind a commit of events, and a store
+        # that fails must not hold the alert back. A daemon killed in between fires it again
+        # after its restart (the incident was not recorded): a repeat, which Alertmanager
+        # merges by its labels, never a loss.
         self._enqueue([alert])
+        await self.store.record_incident(job, key, now, alert)
 
     def _forget_timer(self, job: str, task: asyncio.Task[None]) -> None:
         if self._timers.get(job) is task:

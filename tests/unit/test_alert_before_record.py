@@ -1,0 +1,62 @@
+"""A new incident's alert goes out before its record in the store: a store that cannot write
+(here SQLite refusing every write, `PRAGMA query_only`) fails the record, not the alert."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from denpexd.alerts import Alerter
+from denpexd.errors import StoreError
+from denpexd.metrics import Metrics
+from denpexd.store import Store
+
+
+class Collect:
+    name = "collect"
+
+    def __init__(self) -> None:
+        self.got: list[dict[str, Any]] = []
+
+    async def send(self, alerts: Sequence[dict[str, Any]]) -> None:
+        self.got.extend(alerts)
+
+
+DOC = {
+    "job": "j1",
+    "verdict": "failed",
+    "initiator": {"node": "n1", "rank": 3, "rule": "cuda-oom", "category": "out-of-memory"},
+    "root_cause": {
+        "rule": "cuda-oom",
+        "title": "CUDA out of memory",
+        "root_cause": "",
+        "fix": "",
+        "verify": "",
+    },
+}
+
+
+@pytest.mark.asyncio
+async def test_a_store_that_cannot_write_does_not_hold_the_alert_back(tmp_path: Path) -> None:
+    metrics = Metrics(CollectorRegistry())
+    sink = Collect()
+    async with Store(tmp_path / "denpex.sqlite") as store:
+        await store._run(lambda: store.db.execute("PRAGMA query_only=1"))
+        alerter = Alerter(store, metrics, [sink], generator="http://t")
+        runner = asyncio.create_task(alerter.run())
+        try:
+            with pytest.raises(StoreError):
+                await alerter.on_diagnosis("j1", DOC)
+            await asyncio.wait_for(alerter.drain(), 5)
+        finally:
+            runner.cancel()
+        assert [a["labels"]["rank"] for a in sink.got] == ["3"]
+        assert "j1" in alerter.active  # one incident: a later diagnosis does not fire it again
+        await alerter.on_diagnosis("j1", DOC)
+        assert len(sink.got) == 1
+        await store._run(lambda: store.db.execute("PRAGMA query_only=0"))
