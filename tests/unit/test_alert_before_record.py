@@ -4,9 +4,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -15,17 +13,7 @@ from denpexd.alerts import Alerter
 from denpexd.errors import StoreError
 from denpexd.metrics import Metrics
 from denpexd.store import Store
-
-
-class Collect:
-    name = "collect"
-
-    def __init__(self) -> None:
-        self.got: list[dict[str, Any]] = []
-
-    async def send(self, alerts: Sequence[dict[str, Any]]) -> None:
-        self.got.extend(alerts)
-
+from tests.unit.test_serve_stall import Sink
 
 DOC = {
     "job": "j1",
@@ -44,7 +32,7 @@ DOC = {
 @pytest.mark.asyncio
 async def test_a_store_that_cannot_write_does_not_hold_the_alert_back(tmp_path: Path) -> None:
     metrics = Metrics(CollectorRegistry())
-    sink = Collect()
+    sink = Sink()
     async with Store(tmp_path / "denpex.sqlite") as store:
         await store._run(lambda: store.db.execute("PRAGMA query_only=1"))
         alerter = Alerter(store, metrics, [sink], generator="http://t")
@@ -55,8 +43,8 @@ async def test_a_store_that_cannot_write_does_not_hold_the_alert_back(tmp_path: 
             await asyncio.wait_for(alerter.drain(), 5)
         finally:
             runner.cancel()
-        assert [a["labels"]["rank"] for a in sink.got] == ["3"]
+        assert [a["labels"]["rank"] for a in sink.alerts] == ["3"]
         assert "j1" in alerter.active  # one incident: a later diagnosis does not fire it again
         await alerter.on_diagnosis("j1", DOC)
-        assert len(sink.got) == 1
+        assert len(sink.alerts) == 1
         await store._run(lambda: store.db.execute("PRAGMA query_only=0"))
