@@ -63,7 +63,7 @@ from denpexd.analysis.tracks import (
     share_empties,
 )
 from denpexd.analysis.trends import scale_fall, step_at, trends
-from denpexd.analysis.workers import WorkerPids, note_worker, ranked_by_pid
+from denpexd.analysis.workers import WorkerPids, note_worker, pid_ranks
 from denpexd.clock import ClockEstimate, align
 from denpexd.stall import STALL_RULE
 
@@ -160,7 +160,7 @@ class Engine:
         if isinstance(scale, float) and math.isfinite(scale):
             self._scale(scale, ev)
         worker = ev.fields.get("worker_pid")
-        if worker.__class__ is int and ev.offset is not None:
+        if worker.__class__ is int:
             note_worker(self.worker_pids, ev.node, ev.file, worker, ev.offset)
         if ev.local_rank is not None and tee_echo(ev.text):
             rule += ECHO  # a launcher's echo of a worker's line: its own aggregate (see _unechoed)
@@ -378,15 +378,8 @@ class Engine:
         rules = self.rules
         nodes = self.nodes()
         clocks = self.clocks(nodes)
-        unranked, by_pid = self.unranked, None
-        if self.worker_pids and unranked:
-            unranked, by_pid = ranked_by_pid(unranked, self.worker_pids, self.tracks, nodes)
-        aggs, tracks = ranks.resolved(self.aggs, unranked, self.tracks, self.unranked_tracks)
-        if by_pid:
-            aggs = dict(aggs)
-            for key, ua in by_pid.items():
-                cur = aggs.get(key)
-                aggs[key] = ua if cur is None else cur.merged(ua)
+        given = pid_ranks(self.unranked, self.worker_pids, self.tracks, nodes) if self.worker_pids else None
+        aggs, tracks = ranks.resolved(self.aggs, self.unranked, self.tracks, self.unranked_tracks, given)
         aggs = _unechoed(aggs)
 
         def aligned(node: str, ts: float | None) -> float | None:

@@ -72,15 +72,21 @@ def resolved(
     unranked: dict[tuple[str, str, int | None, str], Aggregate],
     tracks: Tracks,
     unranked_tracks: dict[tuple[str, str, int | None], RankTrack],
+    given: dict[tuple[str, str, int | None, str], int] | None = None,
 ) -> tuple[Aggregates, Tracks]:
     """Aggregates and tracks with the unranked ones given their rank (new objects where
-    anything merges; the inputs are never changed)."""
+    anything merges; the inputs are never changed). ``given``: ranks already known for some
+    unranked aggregates (a worker's pid, `analysis.workers`), taken before the votes."""
     if unranked:
         aggs = dict(aggs)
-        for (node, file, local, rule), ua in sorted(
+        for ukey, ua in sorted(
             unranked.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2] or -1, kv[0][3])
         ):
-            key = (node, resolve_rank(node, file, local, tracks), rule)
+            node, file, local, rule = ukey
+            rank = given.get(ukey) if given else None
+            if rank is None:
+                rank = resolve_rank(node, file, local, tracks)
+            key = (node, rank, rule)
             cur = aggs.get(key)
             aggs[key] = ua if cur is None else cur.merged(ua)
     if unranked_tracks:

@@ -20,8 +20,8 @@ MAX_WORKERS = 4096  # pids kept per (node, file): a launcher lists its node's wo
 
 # (node, file) -> {pid: earliest offset of a line listing it}
 WorkerPids = dict[tuple[str, str], dict[int, int]]
-Unranked = dict[tuple[str, str, int | None, str], Aggregate]
-RankedAggs = dict[tuple[str, int | None, str], Aggregate]
+UnrankedKey = tuple[str, str, int | None, str]  # (node, file, local rank, rule)
+Unranked = dict[UnrankedKey, Aggregate]
 
 
 def note_worker(pids: WorkerPids, node: str, file: str, pid: int, offset: int) -> None:
@@ -49,25 +49,19 @@ def local_rank_of(pids: WorkerPids, node: str, pid: int) -> int | None:
     return places.pop() if len(places) == 1 else None
 
 
-def ranked_by_pid(
+def pid_ranks(
     unranked: Unranked, pids: WorkerPids, tracks: Tracks, nodes: list[str]
-) -> tuple[Unranked, RankedAggs]:
-    """Split the unranked aggregates: those whose first event names a listed worker's pid (and no
-    local rank), given that worker's global rank, and the rest, unchanged."""
-    rest: Unranked = {}
-    ranked: RankedAggs = {}
+) -> dict[UnrankedKey, int]:
+    """The global rank of each unranked aggregate (with no local rank) whose first event names a
+    listed worker's pid: that worker's rank (`ranks.resolved` takes these before its votes)."""
+    out: dict[UnrankedKey, int] = {}
     for key, agg in unranked.items():
-        node, _file, local, rule = key
+        node, _file, local, _rule = key
         pid = agg.first.fields.get("pid")
-        rank = None
-        if local is None and pid.__class__ is int and "worker_pid" not in agg.first.fields:
-            lr = local_rank_of(pids, node, pid)
-            if lr is not None:
-                rank = global_rank(node, lr, tracks, nodes)
-        if rank is None:
-            rest[key] = agg
+        if local is not None or pid.__class__ is not int:
             continue
-        rkey = (node, rank, rule)
-        cur = ranked.get(rkey)
-        ranked[rkey] = agg if cur is None else cur.merged(agg)
-    return rest, ranked
+        lr = local_rank_of(pids, node, pid)
+        rank = global_rank(node, lr, tracks, nodes) if lr is not None else None
+        if rank is not None:
+            out[key] = rank
+    return out
