@@ -138,6 +138,7 @@ def read_parallel(
     ctx = multiprocessing.get_context(start_method)
     bytes_done = ctx.Value("q", 0)
     reported = 0
+    others = set(multiprocessing.active_children())
     executor = ProcessPoolExecutor(
         max_workers=min(jobs, len(tasks)),
         mp_context=ctx,
@@ -176,14 +177,16 @@ def read_parallel(
         if on_bytes is not None and bytes_done.value > reported:
             on_bytes(bytes_done.value - reported)
     except BaseException:
-        _stop(executor)
+        _stop(executor, others)
         raise
     executor.shutdown(wait=True)
 
 
-def _stop(executor: ProcessPoolExecutor) -> None:
-    """Cancel what has not started and end the workers now (Ctrl-C, or an error in the parent)."""
-    processes = list((getattr(executor, "_processes", None) or {}).values())
+def _stop(executor: ProcessPoolExecutor, others: set[multiprocessing.process.BaseProcess]) -> None:
+    """Cancel what has not started and end the workers now (Ctrl-C, or an error in the parent):
+    this process's multiprocessing children but ``others`` (those it had before the pool), found
+    through the public API rather than the pool's own table of them."""
+    processes = [p for p in multiprocessing.active_children() if p not in others]
     executor.shutdown(wait=False, cancel_futures=True)
     for p in processes:
         if p.is_alive():

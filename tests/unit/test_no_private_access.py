@@ -80,6 +80,26 @@ def _module_names(tree: ast.Module) -> tuple[set[str], dict[str, str]]:
     return ours - set(foreign), foreign
 
 
+_BY_NAME = frozenset({"getattr", "setattr", "hasattr", "delattr"})
+
+
+def _attribute_access(node: ast.AST) -> ast.Attribute | None:
+    """The attribute ``node`` reaches: ``x.name`` itself, or ``getattr(x, "name", ...)`` (and
+    ``setattr``, ``hasattr``, ``delattr``) with the name spelled as a string, as ``x.name``."""
+    if isinstance(node, ast.Attribute):
+        return node
+    if (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Name)
+        and node.func.id in _BY_NAME
+        and len(node.args) >= 2
+        and isinstance(node.args[1], ast.Constant)
+        and isinstance(node.args[1].value, str)
+    ):
+        return ast.Attribute(value=node.args[0], attr=node.args[1].value, ctx=ast.Load())
+    return None
+
+
 def private_accesses(source: str, file: str = "<snippet>") -> list[Access]:
     """Every access to a private attribute of an object that is not certainly ours."""
     tree = ast.parse(source)
@@ -104,20 +124,21 @@ def private_accesses(source: str, file: str = "<snippet>") -> list[Access]:
     def visit(node: ast.AST, cls: ast.ClassDef | None) -> None:
         if isinstance(node, ast.ClassDef):
             cls = node
-        if isinstance(node, ast.Attribute) and _private(node.attr):
-            base = node.value
-            text = ast.unparse(node)
+        access = _attribute_access(node)
+        if access is not None and _private(access.attr):
+            base = access.value
+            text = ast.unparse(access)
             if isinstance(base, ast.Name) and base.id in ("self", "cls"):
-                allowed = cls is None or base_is_ours(cls) or node.attr in defined_in(cls)
+                allowed = cls is None or base_is_ours(cls) or access.attr in defined_in(cls)
             elif isinstance(base, ast.Name):
                 allowed = base.id in ours
-                allowed = allowed or f"{foreign.get(base.id)}.{node.attr}" in DOCUMENTED
+                allowed = allowed or f"{foreign.get(base.id)}.{access.attr}" in DOCUMENTED
             elif isinstance(base, ast.Call) and isinstance(base.func, ast.Name) and base.func.id == "super":
                 allowed = cls is not None and base_is_ours(cls)
             else:
                 allowed = False
             if not allowed:
-                found.append(Access(file, node.lineno, text))
+                found.append(Access(file, node.lineno, text))  # type: ignore[attr-defined]
         for child in ast.iter_child_nodes(node):
             visit(child, cls)
 
@@ -153,6 +174,9 @@ def test_the_check_flags_a_dependencys_private_attributes() -> None:
             sub: argparse._SubParsersAction
             self_like = client
             self_like.__mangled()
+            queue = getattr(client, "_queue", None)
+            hasattr(site, "_server")
+            getattr(client, "messages")
         """
     ) == [
         "client._client",
@@ -160,6 +184,8 @@ def test_the_check_flags_a_dependencys_private_attributes() -> None:
         "aiomqtt._internal",
         "argparse._SubParsersAction",
         "self_like.__mangled",
+        "client._queue",
+        "site._server",
     ]
 
 
