@@ -14,6 +14,7 @@ import orjson
 
 from denpex_agent.attribution import Layout
 from denpex_agent.errors import LayoutError, RuleError
+from denpex_agent.heap import keep_freed_memory
 from denpex_agent.matcher import Matcher
 from denpex_agent.reader import LogFile, NoLogFiles, ReadReport, discover, read_files
 from denpex_agent.rules import RuleSet, load_rules
@@ -186,6 +187,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"denpexd diagnose: invalid rules: {exc}", file=sys.stderr)
         return 2
     show_bar = args.progress == "always" or (args.progress == "auto" and sys.stderr.isatty())
+    keep_freed_memory()  # before the read: the workers, forked, inherit it
     try:
         result = diagnose_paths(
             args.paths,
