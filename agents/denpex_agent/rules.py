@@ -215,9 +215,19 @@ MAX_FLOAT_FIELD = 1e300
 MAX_TEXT_FIELD = 1024
 
 
+# Linux's signal numbers, for a `signal` group that captured a name (`terminated with signal SIGKILL`):
+# the logs come from Linux nodes whatever the platform that reads them
+SIGNAL_NUMBERS = {
+    "SIGHUP": 1, "SIGINT": 2, "SIGQUIT": 3, "SIGILL": 4, "SIGTRAP": 5, "SIGABRT": 6, "SIGBUS": 7, "SIGFPE": 8,
+    "SIGKILL": 9, "SIGUSR1": 10, "SIGSEGV": 11, "SIGUSR2": 12, "SIGPIPE": 13, "SIGALRM": 14, "SIGTERM": 15,
+    "SIGXCPU": 24, "SIGXFSZ": 25, "SIGSYS": 31,
+}  # fmt: skip
+
+
 def convert_fields(raw: Mapping[str, str | None]) -> dict[str, int | float | str]:
     """Turn regex group strings into typed fields; numbers that do not parse or are beyond any
-    real value (the receiver's bounds) are left out, text is cut to its bound."""
+    real value (the receiver's bounds) are left out, text is cut to its bound. A ``signal`` may
+    be captured by its name (`SIGNAL_NUMBERS`)."""
     out: dict[str, int | float | str] = {}
     for name, value in raw.items():
         if value is None:
@@ -226,7 +236,9 @@ def convert_fields(raw: Mapping[str, str | None]) -> dict[str, int | float | str
             try:
                 n = int(value)
             except ValueError:
-                continue
+                if name != "signal" or value not in SIGNAL_NUMBERS:
+                    continue
+                n = SIGNAL_NUMBERS[value]
             if -MAX_INT_FIELD <= n <= MAX_INT_FIELD:
                 out[name] = n
         elif name in FLOAT_FIELDS:

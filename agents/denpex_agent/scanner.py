@@ -65,6 +65,10 @@ MORE, IDLE, FINAL = 0, 1, 2
 
 _CHAIN = ("During handling of the above exception", "The above exception was the direct cause")
 _CPP_FRAME = re.compile(r"\s*(?:frame #\d+: |Exception raised from \S.* \(most recent call first\):)")
+# How a traceback's exception line starts: the exception's (dotted) class name, then ": message" or nothing.
+# Any other unindented line after the frames (a log line, another program's output) means the traceback was
+# cut off before its exception line.
+_EXCEPTION_LINE = re.compile(r"[A-Za-z_][\w.]*(?::|\s*$)")
 _ERROR = SEVERITIES.index("error")
 _EL_RANK = re.compile(r"^\s*rank\s*:\s*(?P<rank>\d+)\s*\(local_rank:\s*(?P<local>\d+)\)")
 _EL_EXIT = re.compile(r"^\s*exitcode\s*:\s*(?P<code>-?\d+)")
@@ -551,6 +555,7 @@ class LineScanner:
         block_end = -1
         blanks = 0
         frames_end = header.end  # the last frame line read (a traceback cut off before its exception)
+        last_frame = header.end  # ... and the last one of any part of a chained traceback
         key = stream_key(header.line)
         for _start, end, text in self._lines_from(buf, header.end + 1, cut, key):
             if state == "frames":
@@ -559,9 +564,14 @@ class LineScanner:
                     or text[0] in " \t"
                     or text.startswith("Traceback (most recent call last)")
                 ):
-                    if text.strip() and exc_end < 0:
-                        frames_end = end
+                    if text.strip():
+                        last_frame = end
+                        if exc_end < 0:
+                            frames_end = end
                     continue
+                if _EXCEPTION_LINE.match(text) is None:  # cut off before its exception: the block ends
+                    block_end = last_frame
+                    break
                 exc_end, exc_text, state = end, text.strip(), "after"
                 continue
             # after an exception line: a chained traceback continues the block, anything else ends it

@@ -170,3 +170,22 @@ def test_the_launchers_own_traceback_is_no_candidate(unit_rules: RuleSet) -> Non
 
     pool = candidates(aggs, {}, failing, T0 + 9, _same, lookback_s=300.0, nodes=["a"], generic=generic)
     assert [(c.rank, c.rule) for c in pool] == [(2, "python-traceback")]
+
+
+def test_a_traceback_cut_off_in_nobodys_stream_is_no_candidate(unit_rules: RuleSet) -> None:
+    """A traceback without its exception line (posted or logged cut off) in a stream that names
+    no rank tells neither what failed nor where: it still fails the job, but names nobody; one
+    with its exception, or with a rank, stays a candidate."""
+
+    def generic(rule: str) -> bool:
+        return rule == "python-traceback"
+
+    cut = ev("a", None, T0, "python-traceback", unit_rules)
+    whole = ev("a", None, T0, "python-traceback", unit_rules, exception="RuntimeError: boom")
+    ranked = ev("a", 2, T0, "python-traceback", unit_rules)
+    for event, named in ((cut, []), (whole, [None]), (ranked, [2])):
+        aggs = _aggs(event)
+        pool = candidates(
+            aggs, {}, list(aggs.values()), T0, _same, lookback_s=300.0, nodes=["a"], generic=generic
+        )
+        assert [c.rank for c in pool] == named

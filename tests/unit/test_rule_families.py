@@ -181,6 +181,10 @@ FAMILY_RULES = (
     "vocab-numerical",
     "vocab-out-of-memory",
     "vocab-hang",
+    # seventh round
+    "argparse-usage-error",
+    "mpspawn-worker-sigkill",
+    "mpspawn-worker-exit",
 )
 MIN_SOURCES = 3
 

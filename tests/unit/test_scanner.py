@@ -589,3 +589,45 @@ def test_nccl_process_ranks_do_not_depend_on_read_sizes(sizes: list[int]) -> Non
 
 
 _MATCHER_CACHE: dict[str, Matcher] = {}
+
+
+# A traceback posted or logged without its exception line: the frames, then another program's line
+# or a log line. That line is not the traceback's exception (the record ends at the last frame), and
+# it is read on its own (here: the NCCL watchdog's timeout, an error of its own).
+CUT_OFF = (
+    b"Traceback (most recent call last):\n"
+    b'  File "/home/u/models/detr.py", line 637, in forward\n'
+    b"    torch.distributed.all_reduce(num_boxes)\n"
+    b'  File "/opt/conda/lib/python3.9/site-packages/torch/distributed/distributed_c10d.py", line 1320, in all_reduce\n'
+    b"    work = default_pg.allreduce([tensor], opts)\n"
+    b"[rank1]:[E ProcessGroupNCCL.cpp:737] [Rank 1] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=86645, "
+    b"OpType=ALLREDUCE, Timeout(ms)=1800000) ran for 1804483 milliseconds before timing out.\n"
+    b"Unable to determine the device handle for GPU 0000:1C:00.0: Unknown Error\n"
+)
+
+
+@given(st.lists(st.integers(min_value=1, max_value=64), min_size=1, max_size=8))
+@settings(max_examples=40, deadline=None)
+def test_a_traceback_cut_off_before_its_exception_ends_at_its_last_frame(
+    library: RuleSet, sizes: list[int]
+) -> None:
+    events = [e for e in _scan(Matcher(library), CUT_OFF, sizes) if e.kind == "match"]
+    assert [(e.rule, e.rank) for e in events] == [("python-traceback", None), ("nccl-watchdog-timeout", 1)]
+    cut = events[0]
+    assert cut.text.rstrip().endswith("work = default_pg.allreduce([tensor], opts)")
+    assert "exception" not in cut.fields and "Watchdog" not in cut.text
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        "RuntimeError: NCCL communicator was aborted on rank 1.",
+        "torch.distributed.DistBackendError: NCCL error in: ../torch/csrc/distributed/c10d/NCCLUtils.hpp:275",
+        "KeyboardInterrupt",
+        "_pickle.UnpicklingError: pickle data was truncated",
+    ],
+)
+def test_an_exception_line_after_the_frames_still_closes_the_traceback(library: RuleSet, line: str) -> None:
+    data = CUT_OFF[: CUT_OFF.index(b"[rank1]")] + line.encode() + b"\n2026-11-29 10:00:02,000 INFO after\n"
+    events = [e for e in _scan(Matcher(library), data) if e.kind == "match"]
+    assert len(events) == 1 and events[0].text.rstrip().endswith(line)

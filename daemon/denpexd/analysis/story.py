@@ -25,7 +25,9 @@ The rule of choice:
 
 A generic traceback (an exception no rule classifies) tells no story: it does not make other
 stories' symptoms "another story" (step 1), and a rank's specific candidate represents the rank
-before its generic one, whichever came first (step 5).
+before its generic one, whichever came first (step 5). One cut off before its exception line
+whose rank is unknown is no candidate at all: it names neither a story nor a rank (it still
+counts as a failure).
 
 `scope.job_wide` then decides whether the failure belongs to the job rather than to that rank.
 """
@@ -119,8 +121,11 @@ def candidates(
             rank = global_rank(node, ev.fields["local_rank"], tracks, nodes)
         if rank is None and weak is not None and weak(ev.rule or ""):
             continue  # a vocabulary line of nobody's rank (a launcher's report of it) names nobody
-        if generic is not None and generic(ev.rule or "") and LAUNCHER_FRAME.search(ev.text):
-            continue  # the launcher's own traceback after its workers failed: collateral
+        if generic is not None and generic(ev.rule or ""):
+            if LAUNCHER_FRAME.search(ev.text):
+                continue  # the launcher's own traceback after its workers failed: collateral
+            if rank is None and "exception" not in ev.fields:
+                continue  # cut off before its exception line, in nobody's stream: it names nothing
         pool.append(Candidate(node, rank, ev.rule or "", ev.category or "", ev.ts, at, ev, "event"))
     if not pool and not any(names_culprit(a.first) for a in failing):
         # torchrun saw a worker die by SIGKILL and nothing else names a cause: that worker. A
