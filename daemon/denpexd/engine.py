@@ -32,7 +32,7 @@ from denpexd.analysis.chain import chain
 from denpexd.analysis.checkpoint import CHECKPOINT_STALL_RULE, SaveMarks, add_save, checkpoint_stall
 from denpexd.analysis.collateral import collateral
 from denpexd.analysis.evidence import candidate_dict, evidence, rank_table, root_cause
-from denpexd.analysis.fingerprints import LOSS_SCALE_DROPS_DEGRADED, nan_fingerprint, scale_drops
+from denpexd.analysis.fingerprints import LOSS_SCALE_DROPS_DEGRADED, drops_scale, nan_fingerprint, scale_drops
 from denpexd.analysis.hang import HANG_RULE, hang_suspect, unresolved_stalls
 from denpexd.analysis.identity import DUPLICATE_RULE, Claims, add_claim, duplicate_ranks
 from denpexd.analysis.matches import matches
@@ -108,6 +108,7 @@ class Engine:
         self.save_marks: SaveMarks = {}  # each (node, rank)'s newest checkpoint-save announcements
         self.curves: dict[str, StepMax] = {}  # loss, grad norm: the largest value per step
         self.min_scale: float | None = None  # the smallest loss scale any line reported
+        self.min_drop: float | None = None  # ... and the smallest one an overflow left
         self.scale_levels: dict[float, Event] = {}  # each loss scale reported -> its first line
         self.log_times: LogTimes = {}  # each node's newest timestamp and quiet_since (heartbeats)
         self.pauses: dict[str, float] = {}  # each node's newest announced pause (evaluation, save)
@@ -201,9 +202,9 @@ class Engine:
 
     def _trends(self) -> list[dict[str, Any]]:
         """`analysis.trends.trends`, recomputed only when a curve or the loss scale changed."""
-        key = (tuple((n, c.version) for n, c in sorted(self.curves.items())), self.min_scale)
+        key = (tuple((n, c.version) for n, c in sorted(self.curves.items())), self.min_scale, self.min_drop)
         if self._trend_cache is None or self._trend_cache[0] != key:
-            self._trend_cache = (key, trends(self.curves, self.min_scale))
+            self._trend_cache = (key, trends(self.curves, self.min_scale, self.min_drop))
         return [dict(t) for t in self._trend_cache[1]]
 
     def _scale_levels(
@@ -242,6 +243,8 @@ class Engine:
         line that first reported it."""
         if self.min_scale is None or scale < self.min_scale:
             self.min_scale = scale
+        if (self.min_drop is None or scale < self.min_drop) and drops_scale(self.rules.get(ev.rule or "")):
+            self.min_drop = scale
         old = self.scale_levels.get(scale)
         if old is None:
             if len(self.scale_levels) < MAX_SCALE_LEVELS:

@@ -63,6 +63,16 @@ def test_the_loss_scale_collapses_below_one_not_while_it_settles() -> None:
     assert got["rule"] == "loss-scale-collapse" and got["kind"] == "collapse"
 
 
+def test_an_overflow_at_the_floor_is_a_collapse_a_logged_scale_of_one_is_not() -> None:
+    """`Attempted loss scale: 1, reducing to 1`: the scaler is at DeepSpeed's floor and the step still
+    overflowed. A logged value of 1 (bf16 runs log `loss scale: 1.0`) is no drop, and a drop that
+    leaves the scale above 1 is the scaler at work."""
+    assert [t["kind"] for t in trends({}, 1.0, 1.0)] == ["collapse"]
+    assert trends({}, 1.0, None) == []
+    assert trends({}, 1.0, 2.0) == []
+    assert trends({}, 65536.0, 65536.0) == []
+
+
 def test_the_curve_keeps_the_largest_value_per_step_whatever_the_order() -> None:
     a, b = StepMax(), StepMax()
     points = [(s, float(r)) for s in range(2000) for r in range(3)]

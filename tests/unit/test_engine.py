@@ -310,3 +310,18 @@ def test_a_launchers_echo_of_a_workers_line_is_the_workers_event_once(unit_rules
     d2 = e2.diagnose()
     assert d2["initiator"]["rank"] == 3 and d2["initiator"]["file"] == "b/torchrun.log"
     assert [(c["rank"], c["count"]) for c in d2["collateral"]] == [(2, 3)]
+
+
+def test_an_overflow_that_leaves_the_scale_at_one_fails_the_job(library: RuleSet) -> None:
+    """DeepSpeed's `Attempted loss scale: 1, reducing to 1`: the scaler is at its floor and the step
+    overflowed anyway (every step is skipped); an overflow that leaves a higher scale, or a
+    logged scale of 1, is no failure."""
+
+    def verdict(rule: str, scale: float) -> str:
+        eng = Engine("j", library)
+        eng.add(ev("a", 0, T0, rule, library, scale=scale))
+        return str(eng.diagnose()["verdict"])
+
+    assert verdict("deepspeed-loss-scale-overflow", 1.0) == "failed"
+    assert verdict("deepspeed-loss-scale-overflow", 2.0) != "failed"
+    assert verdict("loss-scale-reported-below-one", 1.0) != "failed"

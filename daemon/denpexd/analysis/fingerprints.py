@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from denpex_agent.rules import SEVERITIES, RuleSet
+from denpex_agent.rules import SEVERITIES, Rule, RuleSet
 from denpexd.analysis.tracks import Aggregate, Aggregates, Aligned, Tracks
 
 ERROR = SEVERITIES.index("error")
@@ -46,8 +46,13 @@ def nan_fingerprint(aggs: Aggregates, tracks: Tracks, aligned: Aligned, rules: R
 
 
 def is_scale_drop(a: Aggregate, rules: RuleSet) -> bool:
-    """Whether the aggregate is of a loss-scale drop: a NaN-fingerprint warning about the scale."""
-    rule = rules.get(a.first.rule or "")
+    """Whether the aggregate is of a loss-scale drop (`drops_scale`)."""
+    return drops_scale(rules.get(a.first.rule or ""))
+
+
+def drops_scale(rule: Rule | None) -> bool:
+    """Whether a rule's lines are loss-scale drops: a NaN-fingerprint warning about the scale
+    (not a logged value of it)."""
     return (
         rule is not None
         and rule.fingerprint == "nan"

@@ -15,7 +15,10 @@ diverged; otherwise it spiked and recovered at the first point back below the ra
 Dynamic loss scaling halves the scale on every overflow. Many halvings right after the start are
 the scaler settling from its deliberately high initial value (2^16 to 2^32) and are healthy; a
 scale below 1 is not: the loss is then scaled *down* and the gradients still overflow, so every
-step is skipped or worthless (DeepSpeed stops at its minimum of 1 for this reason).
+step is skipped or worthless (DeepSpeed stops at its minimum of 1 for this reason). Nor is an
+overflow that leaves the scale at 1 or less (`Attempted loss scale: 1, reducing to 1`): the
+scaler is at DeepSpeed's floor and the gradients overflow unscaled, so every step is skipped.
+A logged value of 1 is no drop (bf16 runs log `loss scale: 1.0` on every iteration).
 """
 
 from __future__ import annotations
@@ -86,8 +89,11 @@ def episode(curve: list[tuple[int, float]], metric: str) -> dict[str, Any] | Non
     return None
 
 
-def trends(curves: dict[str, StepMax], min_scale: float | None) -> list[dict[str, Any]]:
-    """Every curve's first episode and the loss scale's collapse, earliest step first (a
+def trends(
+    curves: dict[str, StepMax], min_scale: float | None, min_drop: float | None = None
+) -> list[dict[str, Any]]:
+    """Every curve's first episode and the loss scale's collapse (``min_scale``: the smallest
+    scale any line gave; ``min_drop``: the smallest an overflow left), earliest step first (a
     collapse has no step of its own and comes last); each names the rule that explains it."""
     out = []
     for metric in ("loss", "grad_norm"):
@@ -97,7 +103,7 @@ def trends(curves: dict[str, StepMax], min_scale: float | None) -> list[dict[str
             got["rule"] = DIVERGENCE_RULE if got["kind"] == "divergence" else SPIKE_RULES[metric]
             out.append(got)
     out.sort(key=lambda e: (e["start_step"], e["metric"] != "loss"))
-    if min_scale is not None and min_scale < MIN_SCALE:
+    if (min_scale is not None and min_scale < MIN_SCALE) or (min_drop is not None and min_drop <= MIN_SCALE):
         out.append({"metric": "loss_scale", "kind": "collapse", "value": min_scale, "rule": SCALE_RULE})
     return out
 
