@@ -554,8 +554,7 @@ class LineScanner:
         state = "frames"
         block_end = -1
         blanks = 0
-        frames_end = header.end  # the last frame line read (a traceback cut off before its exception)
-        last_frame = header.end  # ... and the last one of any part of a chained traceback
+        last_frame = header.end  # the last frame line read (of any part of a chained traceback)
         key = stream_key(header.line)
         for _start, end, text in self._lines_from(buf, header.end + 1, cut, key):
             if state == "frames":
@@ -566,8 +565,6 @@ class LineScanner:
                 ):
                     if text.strip():
                         last_frame = end
-                        if exc_end < 0:
-                            frames_end = end
                     continue
                 if _EXCEPTION_LINE.match(text) is None:  # cut off before its exception: the block ends
                     block_end = last_frame
@@ -593,7 +590,7 @@ class LineScanner:
                 or (mode == IDLE and state == "after")
                 or (exc_end >= 0 and cut - header.start > MAX_CARRY)
             ):
-                block_end = exc_end if exc_end >= 0 else frames_end
+                block_end = exc_end if exc_end >= 0 else last_frame  # no exception yet: its frames
             elif exc_end >= 0 and self._line_count(buf, header.end, cut) >= MAX_FOLD_LINES:
                 block_end = exc_end
             else:

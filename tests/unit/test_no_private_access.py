@@ -96,7 +96,9 @@ def _attribute_access(node: ast.AST) -> ast.Attribute | None:
         and isinstance(node.args[1], ast.Constant)
         and isinstance(node.args[1].value, str)
     ):
-        return ast.Attribute(value=node.args[0], attr=node.args[1].value, ctx=ast.Load())
+        return ast.copy_location(
+            ast.Attribute(value=node.args[0], attr=node.args[1].value, ctx=ast.Load()), node
+        )
     return None
 
 
@@ -138,7 +140,7 @@ def private_accesses(source: str, file: str = "<snippet>") -> list[Access]:
             else:
                 allowed = False
             if not allowed:
-                found.append(Access(file, node.lineno, text))  # type: ignore[attr-defined]
+                found.append(Access(file, access.lineno, text))
         for child in ast.iter_child_nodes(node):
             visit(child, cls)
 
