@@ -101,6 +101,7 @@ INT_FIELDS = frozenset(
         "signal",
         "pid",
         "worker_pid",  # a worker process its launcher lists, in local-rank order (analysis.workers)
+        "task",  # srun's task number (SLURM_PROCID): a rank unless a per-node launcher runs under srun
         "seq",
         "announced_rank",
         "world_size",

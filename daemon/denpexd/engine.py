@@ -401,6 +401,7 @@ class Engine:
 
         weak = functools.partial(_is_fallback, rules)
         generic = functools.partial(_is_generic, rules)
+        srun_tasks = ranks.tasks_are_ranks(aggs, tracks)
         pool = candidates(
             aggs,
             tracks,
@@ -411,6 +412,7 @@ class Engine:
             nodes=nodes,
             weak=weak,
             generic=generic,
+            srun_tasks=srun_tasks,
         )
         tied = 0
         if failing and not pool:
@@ -423,7 +425,7 @@ class Engine:
         ranked = rank_candidates(pool, clocks, tied, weak=weak, generic=generic, lone=lone)
         initiator = ranked[0] if ranked else None
         if initiator is not None and initiator[0].rank is None and initiator[0].kind == "event":
-            rank = witnessed_rank(initiator[0], failing, tracks, aligned, nodes)
+            rank = witnessed_rank(initiator[0], failing, tracks, aligned, nodes, pool)
             if rank is not None:
                 initiator = (dataclasses.replace(initiator[0], rank=rank), initiator[1])
                 ranked = [initiator, *ranked[1:]]

@@ -16,9 +16,11 @@ from denpexd.analysis.story import (
     Candidate,
     candidates,
     rank_candidates,
+    witnessed_rank,
     witnesses,
 )
-from denpexd.analysis.tracks import Aggregate, Aggregates
+from denpexd.analysis.ranks import tasks_are_ranks
+from denpexd.analysis.tracks import Aggregate, Aggregates, NodeProgress, RankTrack
 from denpexd.clock import ClockEstimate
 from tests.unit.test_engine import T0, ev
 
@@ -189,3 +191,33 @@ def test_a_traceback_cut_off_in_nobodys_stream_is_no_candidate(unit_rules: RuleS
             aggs, {}, list(aggs.values()), T0, _same, lookback_s=300.0, nodes=["a"], generic=generic
         )
         assert [c.rank for c in pool] == named
+
+
+def test_srun_names_a_rank_by_its_task_only_where_srun_started_the_ranks(unit_rules: RuleSet) -> None:
+    # `srun: error: host: task 3: Out Of Memory`: the task is SLURM_PROCID, the rank when srun
+    # started the training processes; under a per-node launcher it is a node's launcher
+    oom = ev("a", None, T0, "cuda-oom", unit_rules, task=3)
+    aggs = _aggs(oom)
+    failing = list(aggs.values())
+    for srun_tasks, rank in ((True, 3), (False, None)):
+        pool = candidates(aggs, {}, failing, T0, _same, lookback_s=300.0, nodes=["a"], srun_tasks=srun_tasks)
+        assert [c.rank for c in pool] == [rank]
+    assert tasks_are_ranks(aggs, {})
+    launcher = _aggs(oom, ev("a", None, T0 + 1, "elastic-child-failed", unit_rules, exitcode=1))
+    assert not tasks_are_ranks(launcher, {})
+    # a local rank echoed by a launcher (torchrun's `[default1]:`): the node runs one
+    track = RankTrack("a", 5, NodeProgress())
+    track.vote_local(1)
+    assert not tasks_are_ranks(aggs, {("a", 5): track})
+
+
+def test_an_unranked_first_failure_takes_the_one_rank_its_story_names_on_the_node(unit_rules: RuleSet) -> None:
+    # slurmstepd's OOM-kill report names nobody; srun's `task 0: Out Of Memory` beside it does
+    lead = Candidate("a", None, "cuda-oom", "out-of-memory", T0, T0, None, "event")
+    named = dataclasses.replace(lead, rank=0, ts=None, aligned=None)
+    assert witnessed_rank(lead, [], {}, _same, ["a"], [lead, named]) == 0
+    other_story = dataclasses.replace(named, category="communication")
+    other_node = dataclasses.replace(named, node="b")
+    two = [lead, named, dataclasses.replace(named, rank=1)]
+    for pool in ([lead, other_story], [lead, other_node], two, [lead]):
+        assert witnessed_rank(lead, [], {}, _same, ["a", "b"], pool) is None

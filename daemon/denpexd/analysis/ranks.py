@@ -9,6 +9,8 @@ events, keeps it independent of which lines happened to be read first.
 
 from __future__ import annotations
 
+import re
+
 from denpexd.analysis.tracks import Aggregate, Aggregates, RankTrack, TrackKey, Tracks
 
 DOMINANT_SHARE = 0.9  # a file "is" rank r when this share of its ranked events name r
@@ -65,6 +67,20 @@ def global_rank(node: str, local_rank: int, tracks: Tracks, nodes: list[str]) ->
     if not ranks and nodes == [node]:
         return local_rank  # a single-node job: its local ranks are its global ranks
     return None
+
+
+# Rules whose lines only a per-node launcher prints (torchrun's elastic agent, the DeepSpeed
+# launcher, torch.multiprocessing.spawn): where one ran, an srun task is a node, not a rank.
+PER_NODE_LAUNCHER_RULE = re.compile(r"^(?:elastic|torchrun|deepspeed-launcher|mpspawn)-")
+
+
+def tasks_are_ranks(aggs: Aggregates, tracks: Tracks) -> bool:
+    """Whether srun's task numbers (``task``, its SLURM_PROCID) are the job's global ranks: yes
+    when srun started the training processes itself, which the logs show as the absence of any
+    per-node launcher (no local rank echoed by one, none of its reports)."""
+    if any(t.local_votes for t in tracks.values()):
+        return False
+    return not any(PER_NODE_LAUNCHER_RULE.match(rule or "") for (_n, _r, rule) in aggs)
 
 
 def resolved(

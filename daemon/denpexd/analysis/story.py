@@ -6,7 +6,8 @@ The rule of choice:
    except symptoms of a category no root cause of the job has (a NET warning before an OOM is
    another story), and events more than the look-back before the failure's start (the earliest
    error, on the reference clock). An event naming only a local rank is given its global rank
-   (`ranks.global_rank`).
+   (`ranks.global_rank`); one naming only srun's task number, that task's rank when srun started
+   the ranks itself (`ranks.tasks_are_ranks`).
 2. Without any, torchrun's report of a worker killed by SIGKILL names that worker (`killed`).
 3. Without any and with something failed, the engine asks `hang.hang_suspect` for the rank
    whose progress stopped first (`hang`), when there is evidence for one.
@@ -98,9 +99,11 @@ def candidates(
     nodes: list[str],
     weak: Callable[[str], bool] | None = None,
     generic: Callable[[str], bool] | None = None,
+    srun_tasks: bool = False,
 ) -> list[Candidate]:
     """Steps 1 and 2 above: every candidate (not yet one per rank), or none when nothing failed.
-    ``nodes`` are all the job's nodes (a job of one node takes local ranks as global ranks)."""
+    ``nodes`` are all the job's nodes (a job of one node takes local ranks as global ranks);
+    ``srun_tasks``: srun's task numbers are global ranks (`ranks.tasks_are_ranks`)."""
     if not failing:
         return []
     # the failure's stories: the categories of its root causes; a generic traceback (an exception
@@ -119,6 +122,8 @@ def candidates(
             continue
         if rank is None and isinstance(ev.fields.get("local_rank"), int):
             rank = global_rank(node, ev.fields["local_rank"], tracks, nodes)
+        if rank is None and srun_tasks and isinstance(ev.fields.get("task"), int):
+            rank = ev.fields["task"]  # srun's report of the task it lost, srun starting the ranks
         if rank is None and weak is not None and weak(ev.rule or ""):
             continue  # a vocabulary line of nobody's rank (a launcher's report of it) names nobody
         if generic is not None and generic(ev.rule or ""):
@@ -144,12 +149,25 @@ def candidates(
 
 
 def witnessed_rank(
-    lead: Candidate, failing: list[Aggregate], tracks: Tracks, aligned: Aligned, nodes: list[str]
+    lead: Candidate,
+    failing: list[Aggregate],
+    tracks: Tracks,
+    aligned: Aligned,
+    nodes: list[str],
+    pool: list[Candidate] = (),  # type: ignore[assignment]
 ) -> int | None:
     """The rank of a first failure that names none (an unprefixed traceback in a stream several
-    workers share): the worker its node's launcher reports as failed, when it reports exactly one
-    (torchrun's `failed (exitcode: 1) local_rank: 0`, its summary's root cause)."""
+    workers share; slurmstepd's report of an OOM kill in the step): the worker its node's
+    launcher reports as failed, when it reports exactly one (torchrun's `failed (exitcode: 1)
+    local_rank: 0`, its summary's root cause); else the one rank that the node's other candidates
+    of the same story name (srun's `task 3: Out Of Memory` beside slurmstepd's report)."""
     named = {c.rank for c in witnesses(failing, tracks, aligned, nodes) if c.node == lead.node}
+    if not named:
+        named = {
+            c.rank
+            for c in pool
+            if c.rank is not None and c.node == lead.node and c.category == lead.category
+        }
     return named.pop() if len(named) == 1 else None
 
 
