@@ -69,6 +69,10 @@ _CPP_FRAME = re.compile(r"\s*(?:frame #\d+: |Exception raised from \S.* \(most r
 # Any other unindented line after the frames (a log line, another program's output) means the traceback was
 # cut off before its exception line.
 _EXCEPTION_LINE = re.compile(r"[A-Za-z_][\w.]*(?::|\s*$)")
+# A traceback read without its header (`Traceback (most recent call last):` cut off) is one only
+# if its frames end in a line that names an exception class by the name such classes have.
+_NAMED_EXCEPTION = re.compile(r"(?:[A-Za-z_][\w]*\.)*\w*(?:Error|Exception|Interrupt|Exit)(?::|\s*$)")
+_TRACEBACK_HEADER = "Traceback (most recent call last)"
 _ERROR = SEVERITIES.index("error")
 _EL_RANK = re.compile(r"^\s*rank\s*:\s*(?P<rank>\d+)\s*\(local_rank:\s*(?P<local>\d+)\)")
 _EL_EXIT = re.compile(r"^\s*exitcode\s*:\s*(?P<code>-?\d+)")
@@ -460,11 +464,15 @@ class LineScanner:
             rule = hit.rule
             block_end = hit.end
             if rule.fold == "python-traceback":
-                folded = self._fold_traceback(buf, hit, hits[idx + 1 :], cut, mode)
+                headless = _TRACEBACK_HEADER not in hit.line  # it starts at a frame line
+                folded = self._fold_traceback(buf, hit, hits[idx + 1 :], cut, mode, headless)
                 if folded is None:
                     consumed = self._rewind(events, spans, hit.start)
                     break
                 block_end, best, exc_text = folded
+                if headless and best is None and not exc_text:
+                    absorbed[key] = block_end  # frames and no exception (a printed stack): no failure
+                    continue
                 if best is not None:
                     rule, fields = best.rule, dict(best.fields)
                 elif exc_text:
@@ -546,9 +554,12 @@ class LineScanner:
             pos = end + 1
 
     def _fold_traceback(
-        self, buf: bytes, header: Hit, later: list[Hit], cut: int, mode: int
+        self, buf: bytes, header: Hit, later: list[Hit], cut: int, mode: int, headless: bool = False
     ) -> tuple[int, Hit | None, str] | None:
-        """(end of block, best hit inside it, exception line) or None when the block is cut off."""
+        """(end of block, best hit inside it, exception line) or None when the block is cut off.
+        ``headless``: the block starts at a frame line, and its exception line must name an
+        exception class (`_NAMED_EXCEPTION`), not merely look like one."""
+        exc_line = _NAMED_EXCEPTION if headless else _EXCEPTION_LINE
         exc_end = -1
         exc_text = ""
         state = "frames"
@@ -558,15 +569,11 @@ class LineScanner:
         key = stream_key(header.line)
         for _start, end, text in self._lines_from(buf, header.end + 1, cut, key):
             if state == "frames":
-                if (
-                    not text.strip()
-                    or text[0] in " \t"
-                    or text.startswith("Traceback (most recent call last)")
-                ):
+                if not text.strip() or text[0] in " \t" or text.startswith(_TRACEBACK_HEADER):
                     if text.strip():
                         last_frame = end
                     continue
-                if _EXCEPTION_LINE.match(text) is None:  # cut off before its exception: the block ends
+                if exc_line.match(text) is None:  # cut off before its exception: the block ends
                     block_end = last_frame
                     break
                 exc_end, exc_text, state = end, text.strip(), "after"

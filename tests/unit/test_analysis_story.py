@@ -8,6 +8,7 @@ import msgspec
 
 from denpex_agent.events import Event
 from denpex_agent.rules import RuleSet
+from denpexd.analysis.ranks import tasks_are_ranks
 from denpexd.analysis.story import (
     KILLED_RULE,
     LONE_CONFIDENCE,
@@ -19,7 +20,6 @@ from denpexd.analysis.story import (
     witnessed_rank,
     witnesses,
 )
-from denpexd.analysis.ranks import tasks_are_ranks
 from denpexd.analysis.tracks import Aggregate, Aggregates, NodeProgress, RankTrack
 from denpexd.clock import ClockEstimate
 from tests.unit.test_engine import T0, ev
@@ -211,7 +211,9 @@ def test_srun_names_a_rank_by_its_task_only_where_srun_started_the_ranks(unit_ru
     assert not tasks_are_ranks(aggs, {("a", 5): track})
 
 
-def test_an_unranked_first_failure_takes_the_one_rank_its_story_names_on_the_node(unit_rules: RuleSet) -> None:
+def test_an_unranked_first_failure_takes_the_one_rank_its_story_names_on_the_node(
+    unit_rules: RuleSet,
+) -> None:
     # slurmstepd's OOM-kill report names nobody; srun's `task 0: Out Of Memory` beside it does
     lead = Candidate("a", None, "cuda-oom", "out-of-memory", T0, T0, None, "event")
     named = dataclasses.replace(lead, rank=0, ts=None, aligned=None)

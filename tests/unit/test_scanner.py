@@ -631,3 +631,58 @@ def test_an_exception_line_after_the_frames_still_closes_the_traceback(library: 
     data = CUT_OFF[: CUT_OFF.index(b"[rank1]")] + line.encode() + b"\n2026-11-29 10:00:02,000 INFO after\n"
     events = [e for e in _scan(Matcher(library), data) if e.kind == "match"]
     assert len(events) == 1 and events[0].text.rstrip().endswith(line)
+
+
+# A log that begins inside a traceback (rotated, cut or pasted mid-way): frames, then the exception.
+HEADLESS = (
+    b'[rank0]:   File "/venv/lib/python3.10/site-packages/torch/cuda/random.py", line 85, in set_rng_state_all\n'
+    b"[rank0]:     set_rng_state(state, i)\n"
+    b'[rank0]:   File "/venv/lib/python3.10/site-packages/torch/cuda/random.py", line 72, in cb\n'
+    b"[rank0]:     default_generator = torch.cuda.default_generators[idx]\n"
+    b"[rank0]: IndexError: tuple index out of range\n"
+    b"W1215 23:03:38.333000 1 torch/distributed/elastic/multiprocessing/api.py:858] Sending process 5193 "
+    b"closing signal SIGTERM\n"
+)
+
+
+@given(st.lists(st.integers(min_value=1, max_value=64), min_size=1, max_size=8))
+@settings(max_examples=40, deadline=None)
+def test_a_traceback_without_its_header_is_one_exception_whatever_the_read_sizes(
+    library: RuleSet, sizes: list[int]
+) -> None:
+    events = [e for e in _scan(Matcher(library), HEADLESS, sizes) if e.kind == "match"]
+    failures = [e for e in events if e.severity == "error"]
+    assert [(e.rule, e.rank, e.line_no) for e in failures] == [("python-traceback-headless", 0, 1)]
+    assert failures[0].fields["exception"] == "IndexError: tuple index out of range"
+    assert failures[0].text.rstrip().endswith("IndexError: tuple index out of range")
+
+
+def test_a_headless_traceback_is_what_its_known_exception_is(library: RuleSet) -> None:
+    data = (
+        b'  File "train.py", line 44, in step\n'
+        b"    loss.backward()\n"
+        b"torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB\n"
+    )
+    events = [e for e in _scan(Matcher(library), data) if e.kind == "match"]
+    assert [e.rule for e in events] == ["cuda-oom"]
+
+
+@pytest.mark.parametrize(
+    "after",
+    [
+        b"2026-11-29 10:00:02,000 INFO step 7 | loss 2.0\n",  # traceback.print_stack(), then the log goes on
+        b"Killed\n",  # a word that could be a class name is not an exception line without a header
+    ],
+)
+def test_frames_without_an_exception_are_no_failure_and_hide_nothing(library: RuleSet, after: bytes) -> None:
+    stack = b'  File "train.py", line 3, in <module>\n    main()\n  File "train.py", line 9, in main\n    dump()\n'
+    for data in (stack + after, b"Stack (most recent call first):\n" + stack + after):
+        events = [e for e in _scan(Matcher(library), data) if e.kind == "match"]
+        assert not any(e.rule and e.rule.startswith("python-traceback") for e in events)
+        assert [e.rule for e in events] == (["bare-killed"] if after == b"Killed\n" else [])
+
+
+def test_a_whole_traceback_is_one_record_not_one_per_frame(library: RuleSet) -> None:
+    data = b"[rank0]: Traceback (most recent call last):\n" + HEADLESS[: HEADLESS.index(b"W1215")]
+    events = [e for e in _scan(Matcher(library), data) if e.kind == "match"]
+    assert [(e.rule, e.line_no) for e in events] == [("python-traceback", 1)]

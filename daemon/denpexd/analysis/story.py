@@ -164,9 +164,7 @@ def witnessed_rank(
     named = {c.rank for c in witnesses(failing, tracks, aligned, nodes) if c.node == lead.node}
     if not named:
         named = {
-            c.rank
-            for c in pool
-            if c.rank is not None and c.node == lead.node and c.category == lead.category
+            c.rank for c in pool if c.rank is not None and c.node == lead.node and c.category == lead.category
         }
     return named.pop() if len(named) == 1 else None
 
