@@ -223,3 +223,12 @@ def test_an_unranked_first_failure_takes_the_one_rank_its_story_names_on_the_nod
     two = [lead, named, dataclasses.replace(named, rank=1)]
     for pool in ([lead, other_story], [lead, other_node], two, [lead]):
         assert witnessed_rank(lead, [], {}, _same, ["a", "b"], pool) is None
+
+
+def test_each_per_node_launcher_prefix_names_rules_of_the_library(library: RuleSet) -> None:
+    # `tasks_are_ranks` knows a per-node launcher by its rules' ids: a rename must not go unseen
+    from denpexd.analysis.ranks import PER_NODE_LAUNCHER_RULE
+
+    prefixes = PER_NODE_LAUNCHER_RULE.pattern.removeprefix("^(?:").removesuffix(")-").split("|")
+    for prefix in prefixes:
+        assert any(r.id.startswith(prefix + "-") for r in library), prefix

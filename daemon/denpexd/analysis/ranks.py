@@ -71,7 +71,7 @@ def global_rank(node: str, local_rank: int, tracks: Tracks, nodes: list[str]) ->
 
 # Rules whose lines only a per-node launcher prints (torchrun's elastic agent, the DeepSpeed
 # launcher, torch.multiprocessing.spawn): where one ran, an srun task is a node, not a rank.
-PER_NODE_LAUNCHER_RULE = re.compile(r"^(?:elastic|torchrun|deepspeed-launcher|mpspawn)-")
+PER_NODE_LAUNCHER_RULE = re.compile(r"^(?:elastic|deepspeed-launcher|mpspawn)-")
 
 
 def tasks_are_ranks(aggs: Aggregates, tracks: Tracks) -> bool:

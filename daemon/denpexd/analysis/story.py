@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -154,7 +154,7 @@ def witnessed_rank(
     tracks: Tracks,
     aligned: Aligned,
     nodes: list[str],
-    pool: list[Candidate] = (),  # type: ignore[assignment]
+    pool: Sequence[Candidate] = (),
 ) -> int | None:
     """The rank of a first failure that names none (an unprefixed traceback in a stream several
     workers share; slurmstepd's report of an OOM kill in the step): the worker its node's
