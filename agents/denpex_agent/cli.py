@@ -26,9 +26,12 @@ from denpex_agent.watchdog import stop_watchdog
 
 log = logging.getLogger("denpex_agent")
 
-# What a stop may take beyond `shutdown_timeout` (reader and unsent events share that): the
-# checkpoint write, the `offline` status and the disconnect, each bounded at about a second.
-STOP_MARGIN_S = 3.0
+# What a stop may take beyond `shutdown_timeout` (reader, unsent events and the last receipts
+# share that): `Publisher.close`'s three bounded waits (the `offline` status, the connection task's
+# disconnect, and that task's own disconnect once cancelled, CLOSE_TIMEOUT_S each), then the
+# checkpoint write and the event loop's lag on a loaded machine. A stop that only waits out its
+# bounds must finish before the watchdog ends it.
+STOP_MARGIN_S = 5.0  # >= 3 x publisher.CLOSE_TIMEOUT_S + 2 s (test_watchdog.py holds it there)
 
 _HELP = {
     "job": "job id (required): events go to denpex/v1/jobs/<job>/from/<agent>[/<node>]/events",
