@@ -401,7 +401,8 @@ class Engine:
 
         weak = functools.partial(_is_fallback, rules)
         generic = functools.partial(_is_generic, rules)
-        srun_tasks = ranks.tasks_are_ranks(aggs, tracks)
+        # asked of a task-naming event only: it looks at every aggregate of a 4,096-rank job
+        srun_tasks = functools.cache(functools.partial(ranks.tasks_are_ranks, aggs, tracks))
         pool = candidates(
             aggs,
             tracks,

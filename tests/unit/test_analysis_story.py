@@ -200,7 +200,9 @@ def test_srun_names_a_rank_by_its_task_only_where_srun_started_the_ranks(unit_ru
     aggs = _aggs(oom)
     failing = list(aggs.values())
     for srun_tasks, rank in ((True, 3), (False, None)):
-        pool = candidates(aggs, {}, failing, T0, _same, lookback_s=300.0, nodes=["a"], srun_tasks=srun_tasks)
+        pool = candidates(
+            aggs, {}, failing, T0, _same, lookback_s=300.0, nodes=["a"], srun_tasks=lambda v=srun_tasks: v
+        )
         assert [c.rank for c in pool] == [rank]
     assert tasks_are_ranks(aggs, {})
     launcher = _aggs(oom, ev("a", None, T0 + 1, "elastic-child-failed", unit_rules, exitcode=1))

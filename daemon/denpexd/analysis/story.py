@@ -99,11 +99,12 @@ def candidates(
     nodes: list[str],
     weak: Callable[[str], bool] | None = None,
     generic: Callable[[str], bool] | None = None,
-    srun_tasks: bool = False,
+    srun_tasks: Callable[[], bool] | None = None,
 ) -> list[Candidate]:
     """Steps 1 and 2 above: every candidate (not yet one per rank), or none when nothing failed.
     ``nodes`` are all the job's nodes (a job of one node takes local ranks as global ranks);
-    ``srun_tasks``: srun's task numbers are global ranks (`ranks.tasks_are_ranks`)."""
+    ``srun_tasks``: whether srun's task numbers are global ranks (`ranks.tasks_are_ranks`), asked
+    only of an event that names a task and no rank (the answer looks at every aggregate)."""
     if not failing:
         return []
     # the failure's stories: the categories of its root causes; a generic traceback (an exception
@@ -122,7 +123,12 @@ def candidates(
             continue
         if rank is None and isinstance(ev.fields.get("local_rank"), int):
             rank = global_rank(node, ev.fields["local_rank"], tracks, nodes)
-        if rank is None and srun_tasks and isinstance(ev.fields.get("task"), int):
+        if (
+            rank is None
+            and isinstance(ev.fields.get("task"), int)
+            and srun_tasks is not None
+            and srun_tasks()
+        ):
             rank = ev.fields["task"]  # srun's report of the task it lost, srun starting the ranks
         if rank is None and weak is not None and weak(ev.rule or ""):
             continue  # a vocabulary line of nobody's rank (a launcher's report of it) names nobody
