@@ -185,8 +185,28 @@ FAMILY_RULES = (
     "argparse-usage-error",
     "mpspawn-worker-sigkill",
     "mpspawn-worker-exit",
+    # rules that reached three sources
+    "elastic-worker-sigterm",
+    "mpspawn-worker-crash-signal",
+    "nccl-warn-socket-io-failed",
+    "srun-task-oom",
+    "fr-missing-ranks",
+    "layernorm-inf-variance",
 )
 MIN_SOURCES = 3
+# The library's rules that do not (yet) have real lines from three sources, and why. Every other
+# rule must; a rule listed here that has reached three sources must leave the list.
+SHORT_OF_SOURCES = {
+    # one more public thread shows the line (NVIDIA/nccl#1176), and the corpus scores it; the
+    # others quote the message without NCCL's `WARN`, or are the transport's own wording
+    "nccl-bootstrap-message-truncated": "one usable public source",
+    # printed by no public software: only the benchmark's generator (bench/gen_training_log.py)
+    "rank-heartbeat-missed": "the benchmark's own line",
+    # a fallback for wording that no signature knows: two threads so far
+    "vocab-communication": "two public sources",
+    # its lines are a traceback's frames, whose exception line the fold classifies
+    "python-traceback-headless": "frame lines, not a message",
+}
 
 RULES = load_rules()
 
@@ -269,3 +289,21 @@ def test_example_source_is_kept(tmp_path: Path) -> None:
 def test_example_source_must_be_an_address(tmp_path: Path, bad: str) -> None:
     with pytest.raises(RuleError, match="source"):
         load_rules(_rule_file(tmp_path, f"{{ text = 'boom', source = {bad} }}"))
+
+
+def _sources(rule_id: str) -> set[str]:
+    rule = RULES.get(rule_id)
+    assert rule is not None, f"{rule_id} is not in the library"
+    return {ex.source for ex in rule.examples if ex.source is not None}
+
+
+def test_every_library_rule_has_three_sources_or_says_why_not() -> None:
+    short = sorted(r.id for r in RULES if r.id not in SHORT_OF_SOURCES and len(_sources(r.id)) < MIN_SOURCES)
+    assert not short, f"rules with real lines from fewer than {MIN_SOURCES} sources: {short}"
+
+
+@pytest.mark.parametrize("rule_id", sorted(SHORT_OF_SOURCES))
+def test_an_exemption_from_three_sources_is_still_needed(rule_id: str) -> None:
+    assert len(_sources(rule_id)) < MIN_SOURCES, (
+        f"{rule_id} has {MIN_SOURCES} sources now: take it off the list"
+    )
