@@ -80,6 +80,9 @@ _EL_SIGNAL = re.compile(r"Signal\s+(?P<sig>\d+)\s+\((?P<name>SIG[A-Z0-9]+)\)")
 _RANK_LIST = re.compile(rb"\b(local|global)_ranks=\[([\d, ]{0,4096})\]")
 _RANK_TAG = re.compile(r"\[(?i:rank):? ?\d{1,6}\]")
 _EL_HOST = re.compile(r"^\s*host\s*:\s*(?P<host>\S+)")
+_EL_ROOT_CAUSE = re.compile(r"Root Cause \(first observed failure\):")
+# the lines of a summary's entry: indented fields, the entry's `[N]:`, rules of `-` or `=`
+_EL_ENTRY = re.compile(r"\s|\[\d+\]:|-{10}|={10}")
 # NCCL's debug prefix, ``host:pid:tid [cudaDev]``, and the INFO lines in which a process states its
 # rank in a communicator: ``comm 0x... rank R nranks N ... - Init COMPLETE`` (and ``Destroy``/``Abort``),
 # and its links, ``Ring 00 : A[a] -> B[b] via ...`` / ``Channel 00/0 : A[a] -> B[b] [send|receive] via``
@@ -479,7 +482,9 @@ class LineScanner:
                     fields["exception"] = exc_text[:300]
             if rule.fold in _FIELD_FOLDS:  # a block that adds fields
                 if rule.fold == "elastic-failure":
-                    added = self._fold_elastic(buf, block_end, cut, mode)
+                    # a summary whose `ChildFailedError:` line the log lost starts at its root cause
+                    headless = _EL_ROOT_CAUSE.search(hit.line) is not None
+                    added = self._fold_elastic(buf, block_end, cut, mode, headless)
                 elif rule.fold == "stalled-ranks":
                     added = self._fold_stalled(buf, hit, cut, mode)
                 else:
@@ -636,15 +641,23 @@ class LineScanner:
     def _line_count(self, buf: bytes, start: int, end: int) -> int:
         return buf.count(b"\n", start, end)
 
-    def _fold_elastic(self, buf: bytes, pos: int, cut: int, mode: int) -> tuple[int, dict[str, Any]] | None:
-        """Read torchrun's failure summary after a ChildFailedError line."""
+    def _fold_elastic(
+        self, buf: bytes, pos: int, cut: int, mode: int, headless: bool = False
+    ) -> tuple[int, dict[str, Any]] | None:
+        """Read torchrun's failure summary after a ChildFailedError line; ``headless``: after its
+        `Root Cause (first observed failure):` heading, the summary's start being lost. A headless
+        summary is its root-cause entry (``[0]:`` and indented lines) up to the closing rule of
+        ``=``; any other line ends it."""
         fields: dict[str, Any] = {}
-        in_root = False
-        seen_rule = 0
+        in_root = headless
+        seen_rule = 1 if headless else 0
         block_end = pos
         closed = False
         for _start, end, text in self._lines_from(buf, pos + 1, cut):
             stripped = text.strip()
+            if headless and stripped and _EL_ENTRY.match(text) is None:
+                closed = True
+                break
             if stripped.startswith("=" * 10):
                 seen_rule += 1
                 block_end = end
@@ -678,6 +691,11 @@ class LineScanner:
             closed = mode == FINAL
         if not closed:
             return None
+        if headless and "culprit_rank" in fields:
+            # torchrun picks its root cause by a time in whole seconds, the lowest local rank among
+            # those of the same second; the list of the other failures before the heading is lost,
+            # so whether this one stands alone is unknown: it names no rank
+            del fields["culprit_rank"], fields["culprit_local_rank"]
         return block_end, fields
 
     def _fold_mpi_exit(self, buf: bytes, pos: int, cut: int, mode: int) -> tuple[int, dict[str, Any]] | None:

@@ -192,6 +192,7 @@ FAMILY_RULES = (
     "srun-task-oom",
     "fr-missing-ranks",
     "layernorm-inf-variance",
+    "elastic-failure-summary-headless",
 )
 MIN_SOURCES = 3
 # The library's rules that do not (yet) have real lines from three sources, and why. Every other

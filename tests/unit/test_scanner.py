@@ -707,3 +707,53 @@ def test_a_whole_traceback_is_one_record_not_one_per_frame(library: RuleSet) -> 
     data = b"[rank0]: Traceback (most recent call last):\n" + HEADLESS[: HEADLESS.index(b"W1215")]
     events = [e for e in _scan(Matcher(library), data) if e.kind == "match"]
     assert [(e.rule, e.line_no) for e in events] == [("python-traceback", 1)]
+
+
+# The end of torchrun's summary as a log that lost its start keeps it: the root-cause heading, the
+# entry (fields as torchrun prints them, here a worker that exited with 1), the closing rule.
+HEADLESS_SUMMARY = (
+    b"------------------------------------------------------------\n"
+    b"Root Cause (first observed failure):\n"
+    b"[0]:\n"
+    b"  time      : 2026-11-29_12:00:05\n"
+    b"  host      : gpu-node-7\n"
+    b"  rank      : 0 (local_rank: 0)\n"
+    b"  exitcode  : 1 (pid: 39886)\n"
+    b"  error_file: <N/A>\n"
+    b"  traceback : To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html\n"
+    b"============================================================\n"
+    b"Killed\n"
+)
+
+
+@given(st.lists(st.integers(min_value=1, max_value=64), min_size=1, max_size=8))
+@settings(max_examples=40, deadline=None)
+def test_a_summary_without_its_childfailederror_line_is_one_failure_whatever_the_read_sizes(
+    library: RuleSet, sizes: list[int]
+) -> None:
+    events = [e for e in _scan(Matcher(library), HEADLESS_SUMMARY, sizes) if e.kind == "match"]
+    assert [(e.rule, e.line_no) for e in events] == [
+        ("elastic-failure-summary-headless", 2),
+        ("bare-killed", 11),
+    ]
+    fields = events[0].fields
+    assert fields["exitcode"] == 1 and fields["host"] == "gpu-node-7"
+    # the failures listed before the heading are lost: torchrun's pick among those of the same
+    # second cannot be checked, so the headless summary names no rank
+    assert "culprit_rank" not in fields and "culprit_local_rank" not in fields
+
+
+def test_a_headless_summary_ends_at_the_first_line_that_is_not_its_entry(library: RuleSet) -> None:
+    cut = HEADLESS_SUMMARY[: HEADLESS_SUMMARY.index(b"=====")]  # its closing rule lost too
+    data = cut + b"RuntimeError: CUDA error: an illegal memory access was encountered\n"
+    events = [e for e in _scan(Matcher(library), data) if e.kind == "match"]
+    assert [e.rule for e in events] == ["elastic-failure-summary-headless", "illegal-memory-access"]
+
+
+def test_a_whole_summarys_root_cause_heading_is_no_event_of_its_own(
+    unit_matcher: Matcher, library: RuleSet
+) -> None:
+    events = [e for e in _scan(Matcher(library), LOG.encode()) if e.kind == "match"]
+    assert "elastic-failure-summary-headless" not in [e.rule for e in events]
+    summary = next(e for e in events if e.rule == "elastic-child-failed")
+    assert summary.fields["culprit_rank"] == 3  # a whole summary still names its root cause
