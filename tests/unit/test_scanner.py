@@ -72,6 +72,11 @@ def _scan(matcher: Matcher, data: bytes, sizes: list[int] | None = None, **kw: i
     return out
 
 
+def _matches(rules: RuleSet, data: bytes, sizes: list[int] | None = None) -> list[Event]:
+    """The match events of ``data`` read with the library ``rules`` in reads of ``sizes``."""
+    return [e for e in _scan(Matcher(rules), data, sizes) if e.kind == "match"]
+
+
 def _key(e: Event) -> tuple[object, ...]:
     return (
         e.kind,
@@ -540,7 +545,7 @@ def test_a_chained_traceback_is_what_its_known_exception_is_not_its_second_headi
         b"capacity of 79.15 GiB of which 1.06 GiB is free.\n"
         b"2026-11-29 10:00:02,000 INFO [rank0] after\n"
     )
-    events = [e for e in _scan(Matcher(library), data) if e.kind == "match"]
+    events = _matches(library, data)
     assert [(e.rule, e.rank) for e in events] == [("cuda-oom", 2)]
     assert "StopIteration" in events[0].text and "CUDA out of memory" in events[0].text
 
@@ -632,7 +637,7 @@ CUT_OFF = (
 def test_a_traceback_cut_off_before_its_exception_ends_at_its_last_frame(
     library: RuleSet, sizes: list[int]
 ) -> None:
-    events = [e for e in _scan(Matcher(library), CUT_OFF, sizes) if e.kind == "match"]
+    events = _matches(library, CUT_OFF, sizes)
     assert [(e.rule, e.rank) for e in events] == [("python-traceback", None), ("nccl-watchdog-timeout", 1)]
     cut = events[0]
     assert cut.text.rstrip().endswith("work = default_pg.allreduce([tensor], opts)")
@@ -650,7 +655,7 @@ def test_a_traceback_cut_off_before_its_exception_ends_at_its_last_frame(
 )
 def test_an_exception_line_after_the_frames_still_closes_the_traceback(library: RuleSet, line: str) -> None:
     data = CUT_OFF[: CUT_OFF.index(b"[rank1]")] + line.encode() + b"\n2026-11-29 10:00:02,000 INFO after\n"
-    events = [e for e in _scan(Matcher(library), data) if e.kind == "match"]
+    events = _matches(library, data)
     assert len(events) == 1 and events[0].text.rstrip().endswith(line)
 
 
@@ -671,7 +676,7 @@ HEADLESS = (
 def test_a_traceback_without_its_header_is_one_exception_whatever_the_read_sizes(
     library: RuleSet, sizes: list[int]
 ) -> None:
-    events = [e for e in _scan(Matcher(library), HEADLESS, sizes) if e.kind == "match"]
+    events = _matches(library, HEADLESS, sizes)
     failures = [e for e in events if e.severity == "error"]
     assert [(e.rule, e.rank, e.line_no) for e in failures] == [("python-traceback-headless", 0, 1)]
     assert failures[0].fields["exception"] == "IndexError: tuple index out of range"
@@ -684,7 +689,7 @@ def test_a_headless_traceback_is_what_its_known_exception_is(library: RuleSet) -
         b"    loss.backward()\n"
         b"torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB\n"
     )
-    events = [e for e in _scan(Matcher(library), data) if e.kind == "match"]
+    events = _matches(library, data)
     assert [e.rule for e in events] == ["cuda-oom"]
 
 
@@ -698,14 +703,14 @@ def test_a_headless_traceback_is_what_its_known_exception_is(library: RuleSet) -
 def test_frames_without_an_exception_are_no_failure_and_hide_nothing(library: RuleSet, after: bytes) -> None:
     stack = b'  File "train.py", line 3, in <module>\n    main()\n  File "train.py", line 9, in main\n    dump()\n'
     for data in (stack + after, b"Stack (most recent call first):\n" + stack + after):
-        events = [e for e in _scan(Matcher(library), data) if e.kind == "match"]
+        events = _matches(library, data)
         assert not any(e.rule and e.rule.startswith("python-traceback") for e in events)
         assert [e.rule for e in events] == (["bare-killed"] if after == b"Killed\n" else [])
 
 
 def test_a_whole_traceback_is_one_record_not_one_per_frame(library: RuleSet) -> None:
     data = b"[rank0]: Traceback (most recent call last):\n" + HEADLESS[: HEADLESS.index(b"W1215")]
-    events = [e for e in _scan(Matcher(library), data) if e.kind == "match"]
+    events = _matches(library, data)
     assert [(e.rule, e.line_no) for e in events] == [("python-traceback", 1)]
 
 
@@ -731,7 +736,7 @@ HEADLESS_SUMMARY = (
 def test_a_summary_without_its_childfailederror_line_is_one_failure_whatever_the_read_sizes(
     library: RuleSet, sizes: list[int]
 ) -> None:
-    events = [e for e in _scan(Matcher(library), HEADLESS_SUMMARY, sizes) if e.kind == "match"]
+    events = _matches(library, HEADLESS_SUMMARY, sizes)
     assert [(e.rule, e.line_no) for e in events] == [
         ("elastic-failure-summary-headless", 2),
         ("bare-killed", 11),
@@ -746,14 +751,12 @@ def test_a_summary_without_its_childfailederror_line_is_one_failure_whatever_the
 def test_a_headless_summary_ends_at_the_first_line_that_is_not_its_entry(library: RuleSet) -> None:
     cut = HEADLESS_SUMMARY[: HEADLESS_SUMMARY.index(b"=====")]  # its closing rule lost too
     data = cut + b"RuntimeError: CUDA error: an illegal memory access was encountered\n"
-    events = [e for e in _scan(Matcher(library), data) if e.kind == "match"]
+    events = _matches(library, data)
     assert [e.rule for e in events] == ["elastic-failure-summary-headless", "illegal-memory-access"]
 
 
-def test_a_whole_summarys_root_cause_heading_is_no_event_of_its_own(
-    unit_matcher: Matcher, library: RuleSet
-) -> None:
-    events = [e for e in _scan(Matcher(library), LOG.encode()) if e.kind == "match"]
+def test_a_whole_summarys_root_cause_heading_is_no_event_of_its_own(library: RuleSet) -> None:
+    events = _matches(library, LOG.encode())
     assert "elastic-failure-summary-headless" not in [e.rule for e in events]
     summary = next(e for e in events if e.rule == "elastic-child-failed")
     assert summary.fields["culprit_rank"] == 3  # a whole summary still names its root cause
