@@ -692,9 +692,9 @@ class LineScanner:
         if not closed:
             return None
         if headless and "culprit_rank" in fields:
-            # torchrun picks its root cause by a time in whole seconds, the lowest local rank among
-            # those of the same second; the list of the other failures before the heading is lost,
-            # so whether this one stands alone is unknown: it names no rank
+            # torchrun picks its root cause by a time in whole seconds (among failures of the same
+            # second, the first of its list); the list of the other failures, before the heading,
+            # is lost, so whether this one stood alone is unknown: it names no rank
             del fields["culprit_rank"], fields["culprit_local_rank"]
         return block_end, fields
 
