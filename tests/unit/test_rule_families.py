@@ -193,6 +193,7 @@ FAMILY_RULES = (
     "fr-missing-ranks",
     "layernorm-inf-variance",
     "elastic-failure-summary-headless",
+    "slurm-node-failure",
 )
 MIN_SOURCES = 3
 # The library's rules that do not (yet) have real lines from three sources, and why. Every other
