@@ -194,6 +194,7 @@ FAMILY_RULES = (
     "layernorm-inf-variance",
     "elastic-failure-summary-headless",
     "slurm-node-failure",
+    "nccl-ibverbs-call-failed",
 )
 MIN_SOURCES = 3
 # The library's rules that do not (yet) have real lines from three sources, and why. Every other
