@@ -105,6 +105,18 @@ examples = ["Killed"]
 counterexamples = ["Killed process 12"]
 
 [[rule]]
+id = "scale-warmup"
+title = "Loss scale settling at start-up"
+category = "numerical-instability"
+severity = "info"
+role = "notice"
+patterns = ['scaler warm-up overflow']
+root_cause = "the scaler starts high and halves until it fits: harmless"
+fix = "nothing to do"
+verify = "the scale settles"
+examples = ["INFO [rank1] scaler warm-up overflow, halving to 32768"]
+
+[[rule]]
 id = "step"
 title = "step line"
 category = "progress"

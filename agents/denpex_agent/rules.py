@@ -9,7 +9,7 @@ A rule file (``rules/<category>.toml``) looks like::
     id = "gloo-connection-closed"
     title = "gloo: connection closed by peer"
     severity = "error"                  # info | warning | error | critical
-    role = "collateral"                 # root-cause | symptom | collateral | progress | marker
+    role = "collateral"                 # root-cause | symptom | collateral | progress | marker | notice
     patterns = ['Connection closed by peer \\[']
     root_cause = "..."
     fix = "..."
@@ -37,6 +37,11 @@ anywhere in it; ``^``/``$`` are the line's ends; a pattern never sees more than 
 ``re``-compatible mode (VERSION0), each search bounded by `PATTERN_TIMEOUT_S` and without
 holding the interpreter lock, so a pattern that backtracks badly on some line costs that line
 a bounded time (`PatternTimeout`), never the reader its liveness.
+
+A *notice* (``role = "notice"``, ``rules/notices.toml``) is a message that looks alarming and is
+known not to be a failure (an NCCL WARN about a library it does not need, a warning that speaks of
+a hang that cannot happen): info severity, no fold; ``root_cause`` says why it is harmless and
+``fix`` how to be rid of it. The diagnosis lists notices (``notices``) and nothing else reads them.
 
 A file may also hold ``[[diagnosis]]`` tables: conclusions the engine draws without a matching
 line (a rank that stopped making progress, a worker killed by a signal, a straggler), each with
@@ -69,7 +74,9 @@ log = logging.getLogger(__name__)
 
 SCHEMA = 1
 SEVERITIES = ("info", "warning", "error", "critical")
-ROLES = ("root-cause", "symptom", "collateral", "progress", "marker")
+# A notice is a known message that looks alarming and is not a failure (a harmless warning people
+# ask about): listed as such, never part of a failure's story. Roles are only ever added (wire).
+ROLES = ("root-cause", "symptom", "collateral", "progress", "marker", "notice")
 # What a marker line announces: a pause in the step lines that is expected (an evaluation; a
 # checkpoint being written, which is also a pause), the end of training, or the global rank a
 # process took at start-up.
@@ -495,6 +502,8 @@ def _build_rule(src: str, raw: Mapping[str, Any], default_category: Any) -> Rule
         raise RuleError(src, rid, "a marker rule (role \"marker\") names its 'marker', and only it does")
     if marker is not None and (marker not in MARKERS or severity != "info"):
         raise RuleError(src, rid, f"'marker' must be one of {', '.join(MARKERS)}, on an info-severity rule")
+    if role == "notice" and (severity != "info" or fallback or fold is not None or fingerprint is not None):
+        raise RuleError(src, rid, "a notice (role \"notice\") is an info-severity rule with no fold or fingerprint")
     needs_text = role not in ("progress", "marker")
     return Rule(
         id=rid,

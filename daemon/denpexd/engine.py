@@ -35,7 +35,7 @@ from denpexd.analysis.evidence import candidate_dict, evidence, rank_table, root
 from denpexd.analysis.fingerprints import LOSS_SCALE_DROPS_DEGRADED, drops_scale, nan_fingerprint, scale_drops
 from denpexd.analysis.hang import HANG_RULE, hang_suspect, unresolved_stalls
 from denpexd.analysis.identity import DUPLICATE_RULE, Claims, add_claim, duplicate_ranks
-from denpexd.analysis.matches import matches
+from denpexd.analysis.matches import matches, notices
 from denpexd.analysis.quiet import PAUSES, LogTimes, logged_stall, note_log_time, note_pause
 from denpexd.analysis.scope import job_wide
 from denpexd.analysis.story import (
@@ -516,6 +516,7 @@ class Engine:
                         ranked = [initiator, *ranked[1:]]
 
         shown = initiator if shared is None else None
+        found = matches(aggs, aligned)
         rows = (
             collateral(aggs, shown[0] if shown else None, aligned, shared.rule if shared else None)
             if failing
@@ -550,7 +551,8 @@ class Engine:
             "loss_scale_drops": drops,
             "loss_scale_min": self.min_scale,
             "ranks": rank_table(tracks, aligned, self.rank_events),
-            "matches": matches(aggs, aligned),
+            "matches": found,
+            "notices": notices(found, rules),
             "stats": {"events": self.events_seen, "aggregates": len(self.aggs) + len(self.unranked)},
         }
         if max(len(ranked), tied) > MAX_CANDIDATES_SHOWN:

@@ -805,6 +805,23 @@ def _collateral(doc: dict[str, Any]) -> str:
     return _table("collateral", "Collateral", ["rule", "count", "where"], rows, note)
 
 
+def _notices(doc: dict[str, Any]) -> str:
+    notices = doc.get("notices") or []
+    if not notices:
+        return ""
+    rows = [
+        [
+            f"<code>{esc(n.get('rule'))}</code>",
+            esc(n.get("count")),
+            esc(n.get("title")),
+            f"<code>{esc((n.get('first') or {}).get('text'))}</code>",
+        ]
+        for n in notices
+    ]
+    note = "Lines that look alarming and that the rule library knows are not failures."
+    return _table("notices", "Known harmless", ["rule", "count", "what", "first line"], rows, note)
+
+
 def _nan(doc: dict[str, Any]) -> str:
     nan = (doc.get("fingerprints") or {}).get("nan") or {}
     if nan.get("stage") not in ("warn", "error"):
@@ -999,6 +1016,7 @@ def render_html(doc: dict[str, Any], *, live: dict[str, Any] | None = None) -> s
         _trends(doc.get("trends") or []),
         _stragglers(doc.get("stragglers") or []),
         _collateral(doc),
+        _notices(doc),
         _nan(doc),
         _divergence(doc.get("divergence")),
         _clocks(doc.get("clock") or {}),

@@ -382,6 +382,21 @@ def _collateral(d: dict[str, Any]) -> list[str]:
     return _section("Collateral", body)
 
 
+def _notices(notices: list[dict[str, Any]]) -> list[str]:
+    if not notices:
+        return []
+    rows = [
+        [code(n.get("rule")), str(n.get("count")), text(n.get("title")), code((n.get("first") or {}).get("text"))]
+        for n in notices
+    ]
+    body = [
+        "Lines that look alarming and that the rule library knows are not failures:",
+        "",
+        *table(["rule", "count", "what", "first line"], rows),
+    ]
+    return _section("Known harmless", body)
+
+
 def _nan(d: dict[str, Any]) -> list[str]:
     nan = (d.get("fingerprints") or {}).get("nan") or {}
     if nan.get("stage") not in ("warn", "error"):
@@ -498,6 +513,7 @@ def render_markdown(d: dict[str, Any]) -> str:
     out += _stragglers(d.get("stragglers") or [])
     out += _not_finished(d)
     out += _collateral(d)
+    out += _notices(d.get("notices") or [])
     out += _nan(d)
     out += _divergence(d.get("divergence"))
     out += _node_history(d.get("node_history"))

@@ -133,6 +133,23 @@ def _node_history(record: dict[str, Any] | None) -> list[str]:
     return ["", *textwrap.wrap(note, width=108, initial_indent="NODE HISTORY  ", subsequent_indent="  ")]
 
 
+def _notices(notices: list[dict[str, Any]]) -> list[str]:
+    """Known harmless lines: what each is, how often, its first line, and why it is no failure."""
+    if not notices:
+        return []
+    out = ["", f"KNOWN HARMLESS  {len(notices)} kind(s) of line that look alarming and are not failures"]
+    for n in notices:
+        first = n.get("first") or {}
+        where = f"{first.get('file')}:{first.get('line')}" if first.get("file") else ""
+        ranks = f"on {n['ranks']} rank(s)  " if n.get("ranks") else ""
+        out.append(f"  {n['count']:>5} x {n['rule']:<40} {ranks}first {where}".rstrip())
+        out.append(f"          {n.get('title', '')}")
+        if first.get("text"):
+            out.append(f"          line  {first['text'][:160]}")
+        out.extend("          " + line for line in _wrap("why", n.get("why", "")))
+    return out
+
+
 def render_text(d: dict[str, Any]) -> str:
     out: list[str] = []
     verdict = d["verdict"].upper()
@@ -242,6 +259,7 @@ def render_text(d: dict[str, Any]) -> str:
             if launcher:
                 where = (where + " + launcher").strip(" +")
             out.append(f"  {sum(i['count'] for i in items):>5} x {rule:<40} {where}")
+    out.extend(_notices(d.get("notices") or []))
     nan = (d.get("fingerprints") or {}).get("nan") or {}
     if nan.get("stage") in ("warn", "error"):
         out.append("")

@@ -195,6 +195,14 @@ FAMILY_RULES = (
     "elastic-failure-summary-headless",
     "slurm-node-failure",
     "nccl-ibverbs-call-failed",
+    # notices: known harmless lines people ask about
+    "deepspeed-backend-not-implemented",
+    "deepspeed-zero3-trace-cache-invalidated",
+    "torchrun-omp-num-threads-default",
+    "ddp-find-unused-parameters-unneeded",
+    "nccl-barrier-device-guessed",
+    "nccl-net-plugin-absent",
+    "nccl-libibverbs-absent",
 )
 MIN_SOURCES = 3
 # The library's rules that do not (yet) have real lines from three sources, and why. Every other

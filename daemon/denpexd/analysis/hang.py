@@ -39,7 +39,12 @@ def hang_suspect(aggs: Aggregates, tracks: Tracks, aligned: Aligned) -> tuple[li
         return named
     if not ranks:
         return [], 0
-    loud = {(n, r) for (n, r, _rule), a in aggs.items() if r is not None and a.first.role != "progress"}
+    # what a rank said beyond its steps (a known harmless notice says nothing about the hang)
+    loud = {
+        (n, r)
+        for (n, r, _rule), a in aggs.items()
+        if r is not None and a.first.role not in ("progress", "notice")
+    }
 
     def key(t: RankTrack) -> tuple[int, int, int, float, int, str]:
         hinted = -hints.get(t.rank if t.rank is not None else -1, 0)

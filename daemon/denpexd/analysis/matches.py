@@ -4,6 +4,12 @@ The candidates and the collateral list what bears on the failure; neither says w
 matched at all (a warning in a job that did not fail is in neither). This index does, whatever
 the rule's severity or role, so "is this signature still there?" has an answer from the
 diagnosis alone (`denpexd verify`). One entry per rule: bounded by the library, not the job.
+
+Of these, the notices (rules of role "notice") are listed again on their own, with the rule's
+title and why the library holds them harmless: lines that look alarming (an NCCL WARN, a warning
+that speaks of a hang) and that are known not to be failures. They are never a candidate, a
+related warning or collateral (they are info-severity and of no story), so they are what a reader
+who searched the log for "WARN" should stop worrying about.
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from denpex_agent.events import Event
+from denpex_agent.rules import RuleSet
 from denpexd.analysis.evidence import format_iso
 from denpexd.analysis.tracks import Aggregate, Aggregates, Aligned, aligned_order
 
@@ -25,6 +32,17 @@ def matches(aggs: Aggregates, aligned: Aligned) -> list[dict[str, Any]]:
     for (_node, rank, rule), agg in aggs.items():
         by_rule.setdefault(rule, []).append((rank, agg))
     return [_entry(rule, group, aligned) for rule, group in sorted(by_rule.items())]
+
+
+def notices(found: list[dict[str, Any]], rules: RuleSet) -> list[dict[str, Any]]:
+    """The entries of ``found`` (`matches`' output) whose rule is a notice, each with the rule's
+    title, why it is harmless and what to do to be rid of it."""
+    out = []
+    for m in found:
+        rule = rules.get(m["rule"])
+        if rule is not None and rule.role == "notice":
+            out.append({**m, "title": rule.title, "why": rule.root_cause, "fix": rule.fix})
+    return out
 
 
 def _entry(rule: str, group: list[tuple[int | None, Aggregate]], aligned: Aligned) -> dict[str, Any]:
