@@ -195,6 +195,7 @@ FAMILY_RULES = (
     "elastic-failure-summary-headless",
     "slurm-node-failure",
     "nccl-ibverbs-call-failed",
+    "checkpoint-move-failed",
     # notices: known harmless lines people ask about
     "deepspeed-backend-not-implemented",
     "deepspeed-zero3-trace-cache-invalidated",
