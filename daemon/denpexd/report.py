@@ -133,8 +133,9 @@ def _node_history(record: dict[str, Any] | None) -> list[str]:
     return ["", *textwrap.wrap(note, width=108, initial_indent="NODE HISTORY  ", subsequent_indent="  ")]
 
 
-def _notices(notices: list[dict[str, Any]]) -> list[str]:
-    """Known harmless lines: what each is, how often, its first line, and why it is no failure."""
+def _notices(notices: list[dict[str, Any]], *, why: bool) -> list[str]:
+    """Known harmless lines: what each is, how often and its first line, and (``why``: when the job
+    did not fail, and the notices are the answer to "is this a problem?") why it is no failure."""
     if not notices:
         return []
     out = ["", f"KNOWN HARMLESS  {len(notices)} kind(s) of line that look alarming and are not failures"]
@@ -146,7 +147,8 @@ def _notices(notices: list[dict[str, Any]]) -> list[str]:
         out.append(f"          {n.get('title', '')}")
         if first.get("text"):
             out.append(f"          line  {first['text'][:160]}")
-        out.extend("          " + line for line in _wrap("why", n.get("why", "")))
+        if why:
+            out.extend("          " + line for line in _wrap("why", n.get("why", "")))
     return out
 
 
@@ -259,7 +261,7 @@ def render_text(d: dict[str, Any]) -> str:
             if launcher:
                 where = (where + " + launcher").strip(" +")
             out.append(f"  {sum(i['count'] for i in items):>5} x {rule:<40} {where}")
-    out.extend(_notices(d.get("notices") or []))
+    out.extend(_notices(d.get("notices") or [], why=d["verdict"] != "failed"))
     nan = (d.get("fingerprints") or {}).get("nan") or {}
     if nan.get("stage") in ("warn", "error"):
         out.append("")
