@@ -503,7 +503,9 @@ def _build_rule(src: str, raw: Mapping[str, Any], default_category: Any) -> Rule
     if marker is not None and (marker not in MARKERS or severity != "info"):
         raise RuleError(src, rid, f"'marker' must be one of {', '.join(MARKERS)}, on an info-severity rule")
     if role == "notice" and (severity != "info" or fallback or fold is not None or fingerprint is not None):
-        raise RuleError(src, rid, "a notice (role \"notice\") is an info-severity rule with no fold or fingerprint")
+        raise RuleError(
+            src, rid, 'a notice (role "notice") is an info-severity rule with no fold or fingerprint'
+        )
     needs_text = role not in ("progress", "marker")
     return Rule(
         id=rid,

@@ -386,7 +386,12 @@ def _notices(notices: list[dict[str, Any]]) -> list[str]:
     if not notices:
         return []
     rows = [
-        [code(n.get("rule")), str(n.get("count")), text(n.get("title")), code((n.get("first") or {}).get("text"))]
+        [
+            code(n.get("rule")),
+            str(n.get("count")),
+            text(n.get("title")),
+            code((n.get("first") or {}).get("text")),
+        ]
         for n in notices
     ]
     body = [

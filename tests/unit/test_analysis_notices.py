@@ -43,7 +43,9 @@ def test_a_notice_leaves_a_healthy_job_healthy_and_is_listed(unit_rules: RuleSet
 
 def test_a_notice_line_is_escaped_in_every_report(unit_rules: RuleSet) -> None:
     eng = Engine("j", unit_rules)
-    hostile = ev("a", 0, T0, "scale-warmup", unit_rules).but(text="scaler warm-up overflow <script>x</script> | `")
+    hostile = ev("a", 0, T0, "scale-warmup", unit_rules).but(
+        text="scaler warm-up overflow <script>x</script> | `"
+    )
     eng.add(hostile)
     d = eng.diagnose()
     assert "<script>" not in render_html(d) and "&lt;script&gt;" in render_html(d)
@@ -83,7 +85,7 @@ def test_a_rank_that_logged_only_a_notice_is_still_silent_in_a_hang(unit_rules: 
 def test_a_notice_rule_is_info_severity(tmp_path: Path) -> None:
     (tmp_path / "n.toml").write_text(
         'schema = 1\n[[rule]]\nid = "loud-notice"\ntitle = "t"\ncategory = "hang"\nseverity = "warning"\n'
-        "role = \"notice\"\npatterns = ['x']\nroot_cause = \"r\"\nfix = \"f\"\nverify = \"v\"\n"
+        'role = "notice"\npatterns = [\'x\']\nroot_cause = "r"\nfix = "f"\nverify = "v"\n'
         'examples = ["x"]\n'
     )
     with pytest.raises(RuleError, match="info-severity"):
@@ -101,7 +103,9 @@ def test_every_notice_of_the_library_alone_leaves_a_job_healthy(tmp_path: Path, 
     log.mkdir(parents=True)
     lines = [ex.text for ex in rule.examples]
     for rank in (0, 1):
-        body = "".join(line + "\n" if line.startswith("[rank") else f"[rank{rank}]:{line}\n" for line in lines)
+        body = "".join(
+            line + "\n" if line.startswith("[rank") else f"[rank{rank}]:{line}\n" for line in lines
+        )
         body += "".join(f"[rank{rank}]:step {s} | loss 2.0\n" for s in range(1, 6))
         (log / f"rank{rank}.log").write_text(body)
     d = diagnose_paths([str(tmp_path / "logs")])
