@@ -86,7 +86,10 @@ _bytes_done: Any = None
 
 def _init_worker(rules: RuleSet, bytes_done: Any) -> None:
     global _matcher, _bytes_done
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    # Ctrl-C is the parent's to handle. The worker was forked with SIGINT blocked (see
+    # `read_parallel`), so one that came before this line is pending: ignoring it discards it.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     _matcher = Matcher(rules, release_gil=False)
     _bytes_done = bytes_done
 
@@ -149,10 +152,18 @@ def read_parallel(
         todo = iter(tasks)
         window = 4 * jobs  # tasks in flight: bounds the memory held by results not yet consumed
         pending: deque[Future[TaskResult]] = deque()
-        for task in todo:
-            pending.append(executor.submit(_read_task, task, job, context_lines))
-            if len(pending) >= window:
-                break
+        # The first submit forks every worker. A Ctrl-C that reached a worker between its fork and
+        # `_init_worker` would be a KeyboardInterrupt (and a traceback) in its bootstrap, so they
+        # are forked with SIGINT blocked; one that comes meanwhile stays pending here and is
+        # raised in this process when the mask is restored.
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            for task in todo:
+                pending.append(executor.submit(_read_task, task, job, context_lines))
+                if len(pending) >= window:
+                    break
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         while pending:
             fut = pending.popleft()
             while not fut.done():
