@@ -33,7 +33,7 @@ from denpexd.analysis.checkpoint import CHECKPOINT_STALL_RULE, SaveMarks, add_sa
 from denpexd.analysis.collateral import collateral
 from denpexd.analysis.evidence import candidate_dict, evidence, rank_table, root_cause
 from denpexd.analysis.fingerprints import LOSS_SCALE_DROPS_DEGRADED, drops_scale, nan_fingerprint, scale_drops
-from denpexd.analysis.hang import HANG_RULE, hang_suspect, unresolved_stalls
+from denpexd.analysis.hang import HANG_RULE, hang_suspect, stopped_rank, unresolved_stalls
 from denpexd.analysis.identity import DUPLICATE_RULE, Claims, add_claim, duplicate_ranks
 from denpexd.analysis.matches import matches, notices
 from denpexd.analysis.quiet import PAUSES, LogTimes, logged_stall, note_log_time, note_pause
@@ -427,6 +427,8 @@ class Engine:
         initiator = ranked[0] if ranked else None
         if initiator is not None and initiator[0].rank is None and initiator[0].kind == "event":
             rank = witnessed_rank(initiator[0], failing, tracks, aligned, nodes, pool)
+            if rank is None:
+                rank = stopped_rank(initiator[0], aggs, tracks, aligned)
             if rank is not None:
                 initiator = (dataclasses.replace(initiator[0], rank=rank), initiator[1])
                 ranked = [initiator, *ranked[1:]]

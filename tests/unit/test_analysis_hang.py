@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from denpex_agent.rules import RuleSet
-from denpexd.analysis.hang import HANG_RULE, hang_suspect
+from denpexd.analysis.hang import HANG_RULE, hang_suspect, stopped_rank
+from denpexd.analysis.story import Candidate
 from denpexd.analysis.tracks import Aggregate, Aggregates, NodeProgress, RankTrack, Tracks
 from tests.unit.test_engine import T0, ev
 
@@ -62,3 +63,27 @@ def test_the_rank_absent_from_the_timeouts_is_the_suspect(unit_rules: RuleSet) -
     tracks = _tracks(unit_rules, {r: 5 for r in range(4)})  # same last step everywhere
     suspects, tied = hang_suspect(_timeouts(unit_rules, [1, 2, 3]), tracks, _same)
     assert tied == 1 and [c.rank for c in suspects] == [0]
+
+
+def _node_fault(node: str) -> Candidate:
+    """A first failure that names no rank: a node's `nvidia-smi` saying that a GPU is lost."""
+    return Candidate(node, None, "nvml-gpu-lost", "hardware", None, None, None, "event")
+
+
+def test_a_node_fault_takes_the_rank_of_its_node_that_stopped(unit_rules: RuleSet) -> None:
+    tracks = _tracks(unit_rules, {r: 5 for r in range(4)})
+    timeouts = _timeouts(unit_rules, [1, 2, 3])  # rank 0 never reached the collective
+    assert stopped_rank(_node_fault("a"), timeouts, tracks, _same) == 0
+    tracks = _tracks(unit_rules, {0: 10, 1: 7, 2: 10, 3: 10})  # rank 1 stopped steps earlier
+    assert stopped_rank(_node_fault("a"), _timeouts(unit_rules, [0, 2, 3]), tracks, _same) == 1
+
+
+def test_a_node_fault_names_no_rank_without_one_suspect_on_its_node(unit_rules: RuleSet) -> None:
+    tracks = _tracks(unit_rules, {r: 5 for r in range(4)})
+    # the suspect is on another node than the fault's
+    assert stopped_rank(_node_fault("b"), _timeouts(unit_rules, [1, 2, 3]), tracks, _same) is None
+    # every rank only waited, alike: nothing points at one
+    assert stopped_rank(_node_fault("a"), _timeouts(unit_rules, [0, 1, 2, 3]), tracks, _same) is None
+    # two ranks stopped at the same earlier step: tied
+    tracks = _tracks(unit_rules, {0: 10, 1: 7, 2: 7, 3: 10})
+    assert stopped_rank(_node_fault("a"), {}, tracks, _same) is None

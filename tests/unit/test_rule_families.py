@@ -153,6 +153,7 @@ FAMILY_RULES = (
     "monitored-barrier-failed",
     "xid-63-64-row-remap",
     "xid-79-fallen-off-bus",
+    "nvml-gpu-lost",
     "python-traceback",
     "megatron-skipped-iterations",
     "elastic-forceful-exit",

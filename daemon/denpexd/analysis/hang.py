@@ -79,6 +79,19 @@ def hang_suspect(aggs: Aggregates, tracks: Tracks, aligned: Aligned) -> tuple[li
     ], len(tied)
 
 
+def stopped_rank(lead: Candidate, aggs: Aggregates, tracks: Tracks, aligned: Aligned) -> int | None:
+    """The rank of a first failure that names none and that no launcher witnessed (a node's
+    `nvidia-smi` or kernel log saying that a GPU is lost): the one rank of the same node that the
+    hang analysis singles out, absent from the collective the others timed out in or stopped at an
+    earlier step. A fault that takes a GPU away stops its rank without a word; the others only wait.
+    Tied suspects, or a suspect on another node, name nobody."""
+    suspects, tied = hang_suspect(aggs, tracks, aligned)
+    if len(suspects) != 1 or tied > 1:
+        return None
+    only = suspects[0]
+    return only.rank if only.node == lead.node else None
+
+
 def _hints(aggs: Aggregates) -> dict[int, int]:
     """How often hang and communication reports name each rank as the culprit."""
     hints: dict[int, int] = {}
