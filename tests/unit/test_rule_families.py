@@ -154,6 +154,8 @@ FAMILY_RULES = (
     "xid-63-64-row-remap",
     "xid-79-fallen-off-bus",
     "nvml-gpu-lost",
+    "nccl-not-built-in",
+    "torch-built-without-nccl",
     "python-traceback",
     "megatron-skipped-iterations",
     "elastic-forceful-exit",
