@@ -193,6 +193,25 @@ def test_a_traceback_cut_off_in_nobodys_stream_is_no_candidate(unit_rules: RuleS
         assert [c.rank for c in pool] == named
 
 
+def test_a_cut_off_traceback_beside_a_failure_the_logs_tell_is_no_candidate(unit_rules: RuleSet) -> None:
+    """A rank's traceback whose exception line was lost, beside a failure a rule knows (a peer's
+    timeout report): which exception it was is unknown, so it does not make the failure a story
+    of user code; the same traceback with its exception line does."""
+
+    def generic(rule: str) -> bool:
+        return rule == "python-traceback"
+
+    timeout = ev("a", 2, T0, "gloo-closed", unit_rules)
+    cut = ev("a", 2, T0 + 1, "python-traceback", unit_rules)
+    whole = ev("a", 2, T0 + 1, "python-traceback", unit_rules, exception="KeyError: 7")
+    for event, rules in ((cut, []), (whole, ["python-traceback"])):
+        aggs = _aggs(timeout, event)
+        failing = [a for a in aggs.values() if a.first.severity == "error"]
+        assert len(failing) == 2
+        pool = candidates(aggs, {}, failing, T0, _same, lookback_s=300.0, nodes=["a"], generic=generic)
+        assert [c.rule for c in pool] == rules
+
+
 def test_srun_names_a_rank_by_its_task_only_where_srun_started_the_ranks(unit_rules: RuleSet) -> None:
     # `srun: error: host: task 3: Out Of Memory`: the task is SLURM_PROCID, the rank when srun
     # started the training processes; under a per-node launcher it is a node's launcher
