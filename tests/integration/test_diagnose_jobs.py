@@ -203,6 +203,9 @@ def test_ctrl_c_stops_the_workers(tmp_path: Path) -> None:
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,
+        # a shell that starts the tests in the background hands them SIGINT ignored, and Python
+        # then installs no KeyboardInterrupt handler: the command gets the disposition a terminal gives
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     workers: list[str] = []
     deadline = time.monotonic() + 30

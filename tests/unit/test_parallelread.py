@@ -28,7 +28,7 @@ def _job(tmp_path: Path) -> Path:
 
 
 def test_a_ctrl_c_that_reaches_a_worker_before_it_is_set_up_is_ignored(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
 ) -> None:
     """A terminal's Ctrl-C goes to the whole process group, workers included; one that arrives
     between a worker's fork and its initializer must not kill it with a KeyboardInterrupt (the
@@ -43,6 +43,10 @@ def test_a_ctrl_c_that_reaches_a_worker_before_it_is_set_up_is_ignored(
         real(*args)  # type: ignore[arg-type]
 
     monkeypatch.setattr(parallelread, "_init_worker", interrupted_first)
+    # the workers are forked with this process's handler: KeyboardInterrupt, as under a terminal,
+    # even when the tests were started with SIGINT ignored (in the background)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    request.addfinalizer(lambda: signal.signal(signal.SIGINT, previous))
     monkeypatch.setattr(parallelread, "MIN_BATCH_BYTES", 1)  # a task per file: both workers busy
     files = discover([job], None, ReadReport())
     assert len(parallelread.plan_tasks(files, 2)) == 4
