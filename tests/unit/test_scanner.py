@@ -638,7 +638,11 @@ def test_a_traceback_cut_off_before_its_exception_ends_at_its_last_frame(
     library: RuleSet, sizes: list[int]
 ) -> None:
     events = _matches(library, CUT_OFF, sizes)
-    assert [(e.rule, e.rank) for e in events] == [("python-traceback", None), ("nccl-watchdog-timeout", 1)]
+    assert [(e.rule, e.rank) for e in events] == [
+        ("python-traceback", None),
+        ("nccl-watchdog-timeout", 1),
+        ("nvml-gpu-lost", 1),
+    ]
     cut = events[0]
     assert cut.text.rstrip().endswith("work = default_pg.allreduce([tensor], opts)")
     assert "exception" not in cut.fields and "Watchdog" not in cut.text
