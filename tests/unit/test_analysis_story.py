@@ -193,10 +193,11 @@ def test_a_traceback_cut_off_in_nobodys_stream_is_no_candidate(unit_rules: RuleS
         assert [c.rank for c in pool] == named
 
 
-def test_a_cut_off_traceback_beside_a_failure_the_logs_tell_is_no_candidate(unit_rules: RuleSet) -> None:
-    """A rank's traceback whose exception line was lost, beside a failure a rule knows (a peer's
-    timeout report): which exception it was is unknown, so it does not make the failure a story
-    of user code; the same traceback with its exception line does."""
+def test_a_cut_off_traceback_beside_its_ranks_own_failure_is_no_candidate(unit_rules: RuleSet) -> None:
+    """A rank's traceback whose exception line was lost, on a rank that reported its failure in
+    words a rule knows (a timeout): which exception it was is unknown, so it does not make the
+    failure a story of user code; the same traceback with its exception line does, and so does
+    a cut-off traceback of another rank."""
 
     def generic(rule: str) -> bool:
         return rule == "python-traceback"
@@ -204,7 +205,8 @@ def test_a_cut_off_traceback_beside_a_failure_the_logs_tell_is_no_candidate(unit
     timeout = ev("a", 2, T0, "gloo-closed", unit_rules)
     cut = ev("a", 2, T0 + 1, "python-traceback", unit_rules)
     whole = ev("a", 2, T0 + 1, "python-traceback", unit_rules, exception="KeyError: 7")
-    for event, rules in ((cut, []), (whole, ["python-traceback"])):
+    other = ev("a", 3, T0 + 1, "python-traceback", unit_rules)
+    for event, rules in ((cut, []), (whole, ["python-traceback"]), (other, ["python-traceback"])):
         aggs = _aggs(timeout, event)
         failing = [a for a in aggs.values() if a.first.severity == "error"]
         assert len(failing) == 2

@@ -111,8 +111,12 @@ def candidates(
     # no rule knows) tells no story of its own, so with only those any story's symptom may count
     roots = [a.first for a in aggs.values() if a.first.role == "root-cause"]
     root_categories = {e.category for e in roots if generic is None or not generic(e.rule or "")}
-    # a failure the job reported in words a rule knows (a root cause, a symptom, a peer's timeout)
-    told = generic is not None and any(not generic(a.first.rule or "") for a in failing)
+    # the ranks that reported their failure in words a rule knows (an error, a watchdog's timeout)
+    told = (
+        {(a.first.node, a.first.rank) for a in failing if not generic(a.first.rule or "")}
+        if generic is not None
+        else set()
+    )
     pool: list[Candidate] = []
     for (node, rank, _rule), a in aggs.items():
         ev = a.first
@@ -137,11 +141,11 @@ def candidates(
         if generic is not None and generic(ev.rule or ""):
             if LAUNCHER_FRAME.search(ev.text):
                 continue  # the launcher's own traceback after its workers failed: collateral
-            if "exception" not in ev.fields and (rank is None or told):
+            if "exception" not in ev.fields and (rank is None or (node, rank) in told):
                 # cut off before its exception line: an exception was raised, which one is lost.
-                # In nobody's stream it names nothing; beside a failure the logs do tell (a
-                # timeout, an error a rule knows) it is more likely that failure's own traceback
-                # than a story of its own.
+                # In nobody's stream it names nothing; on a rank that reported its failure in
+                # words a rule knows (a watchdog's timeout) it is more likely that failure's own
+                # traceback than a story of user code.
                 continue
         pool.append(Candidate(node, rank, ev.rule or "", ev.category or "", ev.ts, at, ev, "event"))
     if not pool and not any(names_culprit(a.first) for a in failing):
