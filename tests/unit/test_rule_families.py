@@ -187,6 +187,7 @@ FAMILY_RULES = (
     # seventh round
     "argparse-usage-error",
     "mpspawn-worker-sigkill",
+    "launcher-worker-died-on-signal",
     "mpspawn-worker-exit",
     # rules that reached three sources
     "elastic-worker-sigterm",
