@@ -87,7 +87,7 @@ _EL_ENTRY = re.compile(r"\s|\[\d+\]:|-{10}|={10}")
 # rank in a communicator: ``comm 0x... rank R nranks N ... - Init COMPLETE`` (and ``Destroy``/``Abort``),
 # and its links, ``Ring 00 : A[a] -> B[b] via ...`` / ``Channel 00/0 : A[a] -> B[b] [send|receive] via``
 # (the printing process is A, or B on the receiving side)
-_NCCL_HEAD = r"(?P<host>[A-Za-z0-9][\w.-]{0,62}):(?P<pid>\d{1,9}):\d{1,9} \[\d{1,3}\] "
+_NCCL_HEAD = r"(?P<host>[A-Za-z0-9][\w.-]{0,62}):(?P<pid>\d{1,9}):\d{1,9} \[(?P<dev>\d{1,3})\] "
 _NCCL_PREFIX = re.compile(r"(?:^|\s)" + _NCCL_HEAD)
 _NCCL_RANK_LINE = re.compile(
     _NCCL_HEAD.encode() + rb"NCCL INFO (?:"
@@ -185,6 +185,23 @@ class _NcclProcess:
     history: list[tuple[int, int | None]] = field(default_factory=list)
 
 
+@dataclass
+class _NcclHost:
+    """What the NCCL processes of one host that stated their rank in the largest communicator
+    said of it against their device (``host:pid:tid [dev]``): rank - dev, per process, and the
+    decisions that gave, (file offset, the one offset every such process agrees on or None), in
+    file order. Ranks are usually laid out node by node, a process per device, so a process
+    that never stated its rank is ``dev + offset`` when two or more of its host agree on one."""
+
+    size: int = 0
+    offsets: dict[int, int] = field(default_factory=dict)  # pid -> rank - dev
+    history: list[tuple[int, int | None]] = field(default_factory=list)
+
+    def decided(self) -> int | None:
+        values = set(self.offsets.values())
+        return next(iter(values)) if len(self.offsets) >= 2 and len(values) == 1 else None
+
+
 class LineScanner:
     """Turns a file's bytes, fed in order, into match and progress events."""
 
@@ -237,6 +254,7 @@ class LineScanner:
         # NCCL processes' ranks, from their own INFO lines, by (host, pid)
         self._nccl_seen = 0
         self._nccl_ranks: dict[tuple[str, int], _NcclProcess] = {}
+        self._nccl_hosts: dict[str, _NcclHost] = {}
         # sampling state: dense samples still to take, and the newest bucket that gave a sample
         self.dense_left, self.sampled_bucket = sampling if sampling is not None else (dense, -1)
         self._last_progress_offset = -1
@@ -948,6 +966,7 @@ class LineScanner:
                     proc.size, proc.stated = n, {int(m.group("rank"))}
                 elif n == proc.size:
                     proc.stated.add(int(m.group("rank")))
+                self._add_nccl_device(key, n, int(m.group("rank")) - int(m.group("dev")), base + m.start())
             else:
                 proc.linked.add(int(m.group("b") if m.group("dir") == b"receive" else m.group("a")))
             ranks = proc.stated or proc.linked
@@ -955,9 +974,28 @@ class LineScanner:
             if not proc.history or proc.history[-1][1] != decided:
                 proc.history.append((base + m.start(), decided))
 
+    def _add_nccl_device(self, key: tuple[str, int], size: int, offset: int, at: int) -> None:
+        """A process of ``key``'s host stated its rank in a communicator of ``size`` ranks:
+        ``offset`` is that rank minus its device (see `_NcclHost`). Only the largest communicator
+        counts (a tensor-parallel group's ranks are not the world's); a process that states two
+        offsets there (one process driving several devices) spoils the host's."""
+        host = self._nccl_hosts.setdefault(key[0], _NcclHost())
+        if size < host.size:
+            return
+        if size > host.size:
+            host.size, host.offsets = size, {}
+        pid = key[1]
+        if host.offsets.get(pid, offset) != offset:
+            offset = -(1 << 30)  # disagrees with itself: no single offset holds on this host
+        host.offsets[pid] = offset
+        decided = host.decided()
+        if not host.history or host.history[-1][1] != decided:
+            host.history.append((at, decided))
+
     def _nccl_rank(self, line: str, offset: int) -> int | None:
         """The rank of the NCCL process whose prefix the line carries, as its INFO lines before
-        ``offset`` stated it."""
+        ``offset`` stated it; for a process that stated none, its device plus the offset the
+        other processes of its host agree on (`_NcclHost`)."""
         m = _NCCL_PREFIX.search(line, 0, 200)
         if m is None:
             return None
@@ -965,6 +1003,12 @@ class LineScanner:
         for at, rank in reversed(proc.history if proc else ()):
             if at < offset:
                 return rank
+        if proc is not None and proc.stated:
+            return None  # it stated ranks, that disagree (or only later): no guess from its host
+        host = self._nccl_hosts.get(m.group("host"))
+        for at, shift in reversed(host.history if host else ()):
+            if at < offset:
+                return int(m.group("dev")) + shift if shift is not None else None
         return None
 
     def _mapped_rank(self, local: int, offset: int) -> int | None:

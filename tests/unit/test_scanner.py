@@ -598,6 +598,58 @@ def test_an_nccl_process_that_states_no_single_rank_gives_none(library: RuleSet)
     assert _nccl_warn_ranks(library, text) == [None, None]
 
 
+# Two processes of host gpu-b state their world ranks on their devices (rank = device + 8); a third,
+# whose own INFO lines the log lost, warns on device 3.
+HOST_OFFSET = (
+    "gpu-b:501:520 [0] NCCL INFO comm 0x55a1 rank 8 nranks 16 cudaDev 0 busId 5000 - Init COMPLETE\n"
+    "gpu-b:502:521 [1] NCCL INFO comm 0x55a2 rank 9 nranks 16 cudaDev 1 busId 6000 - Init COMPLETE\n"
+    "gpu-b:504:530 [3] include/shm.h:42 NCCL WARN Cuda failure 'invalid argument'\n"
+)
+
+
+def test_an_nccl_process_that_stated_nothing_takes_its_device_plus_its_host_s_offset(
+    library: RuleSet,
+) -> None:
+    """Ranks are laid out a process per device, node by node: when two or more processes of a host
+    agree on rank - device in the world's communicator, a process of that host that never stated
+    its rank (its INFO lines cut from the log) is its device plus that offset."""
+    assert _nccl_warn_ranks(library, HOST_OFFSET) == [11]
+    # the offset of the largest communicator: a tensor-parallel group's ranks are not the world's
+    tp = HOST_OFFSET.replace(
+        "gpu-b:504:530",
+        "gpu-b:501:522 [0] NCCL INFO comm 0x66b1 rank 0 nranks 2 cudaDev 0 busId 5000 - Init COMPLETE\n"
+        "gpu-b:502:523 [1] NCCL INFO comm 0x66b2 rank 1 nranks 2 cudaDev 1 busId 6000 - Init COMPLETE\n"
+        "gpu-b:504:530",
+    )
+    assert _nccl_warn_ranks(library, tp) == [11]
+
+
+def test_an_nccl_host_without_one_offset_names_no_rank(library: RuleSet) -> None:
+    """No guess where the host's processes do not agree (each sees its GPU as device 0, so rank -
+    device differs), where only one process said anything, or on another host."""
+    one_device_each = (
+        "gpu-c:601:620 [0] NCCL INFO comm 0x1 rank 4 nranks 8 cudaDev 0 busId 5000 - Init COMPLETE\n"
+        "gpu-c:602:621 [0] NCCL INFO comm 0x2 rank 5 nranks 8 cudaDev 0 busId 6000 - Init COMPLETE\n"
+        "gpu-c:603:630 [0] include/shm.h:42 NCCL WARN Cuda failure 'invalid argument'\n"
+    )
+    assert _nccl_warn_ranks(library, one_device_each) == [None]
+    alone = HOST_OFFSET.split("\n", 1)[1]  # gpu-b's rank 9 alone
+    assert _nccl_warn_ranks(library, alone) == [None]
+    elsewhere = HOST_OFFSET.replace("gpu-b:504:530", "gpu-a:504:530")
+    assert _nccl_warn_ranks(library, elsewhere) == [None]
+    # a warning before the host's processes said anything
+    first = HOST_OFFSET.rsplit("\n", 2)[-2] + "\n" + HOST_OFFSET
+    assert _nccl_warn_ranks(library, first) == [None, 11]
+
+
+@given(st.lists(st.integers(min_value=1, max_value=97), min_size=1, max_size=12))
+@settings(max_examples=40, deadline=None)
+def test_an_nccl_host_s_offset_does_not_depend_on_read_sizes(sizes: list[int]) -> None:
+    text = HOST_OFFSET.encode()
+    matcher = _MATCHER_CACHE.setdefault("lib", Matcher(load_rules()))
+    assert [_key(e) for e in _scan(matcher, text, sizes)] == [_key(e) for e in _scan(matcher, text)]
+
+
 @given(st.lists(st.integers(min_value=1, max_value=97), min_size=1, max_size=12))
 @settings(max_examples=40, deadline=None)
 def test_nccl_process_ranks_do_not_depend_on_read_sizes(sizes: list[int]) -> None:
