@@ -188,6 +188,7 @@ FAMILY_RULES = (
     "argparse-usage-error",
     "mpspawn-worker-sigkill",
     "launcher-worker-died-on-signal",
+    "ray-worker-died",
     "mpspawn-worker-exit",
     # rules that reached three sources
     "elastic-worker-sigterm",
