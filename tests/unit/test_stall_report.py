@@ -194,8 +194,23 @@ def test_a_report_no_step_follows_is_a_failure(library: RuleSet) -> None:
     later = ev("n0", 0, T0 + 200, None, library, step=6)
     track.add(6, later.ts, later)  # the job went on after the stall: it was slow, not hung
     assert unresolved_stalls(aggs, {("n0", 0): track}) == []
-    # a report naming no single rank is no failure of its own
+    # a report naming no rank at all is no failure of its own
     assert unresolved_stalls({("n0", 0, "h"): _report(library, T0 + 100, None)}, {}) == []
+
+
+def test_a_deadlock_report_no_step_follows_is_a_failure_that_names_nobody(library: RuleSet) -> None:
+    """Horovod's report listing several ranks, each missing from collectives the others wait in
+    (rank 0 in broadcasts, rank 1 in allreduces: a deadlock), with no step line after it: the job
+    hangs, and no rank is the one the others wait for."""
+    e = Engine("j", library)
+    steps(e, library, "node0", [0, 1], 0.0, n=5)
+    e.add(ev("node0", 0, T0 + 100, "horovod-stall-inspector", library, missing_ranks="0, 1"))
+    d = e.diagnose()
+    assert d["verdict"] == "failed" and d["initiator"] is None
+    assert d["root_cause"]["category"] == "hang"
+    # the job stepping on afterwards: the ranks caught up, no failure
+    e.add(ev("node0", 1, T0 + 200, None, library, step=6))
+    assert e.diagnose()["verdict"] == "healthy"
 
 
 def test_the_engine_names_the_rank_a_stall_report_waits_for(library: RuleSet) -> None:

@@ -11,9 +11,10 @@ ranks never heard from (a gap in the rank numbers below the highest), if few; el
 A rank named as the culprit more often than any rank we have a log of is the suspect even without
 a log of its own (the report of the rank that waits for it is the evidence).
 
-A hang report that names the rank the others wait for (a warning such as Horovod's stall
+A hang report that names the ranks the others wait for (a warning such as Horovod's stall
 inspector) is a failure of its own when no step line follows it (`unresolved_stalls`): the job
-stopped, or is, in that collective.
+stopped, or is, in that collective. One that names a single rank names the suspect; one that
+names several (ranks waiting in different collectives for each other: a deadlock) names none.
 """
 
 from __future__ import annotations
@@ -45,10 +46,13 @@ def hang_suspect(aggs: Aggregates, tracks: Tracks, aligned: Aligned) -> tuple[li
         for (n, r, _rule), a in aggs.items()
         if r is not None and a.first.role not in ("progress", "notice")
     }
+    # a report that lists several ranks as missing (each from collectives the others wait in) says
+    # the rank that printed it is stuck too: keeping quiet is then no sign of being the one
+    deadlock = not hints and any(_lists_several(a) for a in aggs.values())
 
     def key(t: RankTrack) -> tuple[int, int, int, float, int, str]:
         hinted = -hints.get(t.rank if t.rank is not None else -1, 0)
-        silent = 0 if (t.node, t.rank) not in loud else 1
+        silent = 0 if deadlock or (t.node, t.rank) not in loud else 1
         step = t.last_step if t.last_step is not None else -1
         at = aligned(t.node, t.last_step_ts)
         return (hinted, silent, step, at if at is not None else math.inf, t.rank or 0, t.node)
@@ -58,7 +62,7 @@ def hang_suspect(aggs: Aggregates, tracks: Tracks, aligned: Aligned) -> tuple[li
     hinted, silent, step = best
     evidence = (
         hinted < 0  # named as the culprit
-        or (silent == 0 and len(loud) > 0)  # quiet while others report the hang
+        or (silent == 0 and len(loud) > 0 and not deadlock)  # quiet while others report the hang
         or any(k[2] > step for k, _ in keyed)  # its progress stopped at an earlier step
     )
     if not evidence:
@@ -92,6 +96,12 @@ def stopped_rank(lead: Candidate, aggs: Aggregates, tracks: Tracks, aligned: Ali
     return only.rank if only.node == lead.node else None
 
 
+def _lists_several(a: Aggregate) -> bool:
+    """Whether a hang report lists several ranks as missing (`missing_ranks`, no single culprit)."""
+    listed = a.first.fields.get("missing_ranks")
+    return a.first.category == "hang" and listed.__class__ is str and "," in listed
+
+
 def _hints(aggs: Aggregates) -> dict[int, int]:
     """How often hang and communication reports name each rank as the culprit."""
     hints: dict[int, int] = {}
@@ -121,14 +131,18 @@ def _named_without_log(
 
 
 def unresolved_stalls(aggs: Aggregates, tracks: Tracks) -> list[Aggregate]:
-    """Hang reports below error severity that name the rank the others wait for (``culprit_rank``)
-    and that no step line is known to follow: on no rank a later step by time, nor a step further in
-    the same file. A step line that cannot be placed (another file, no times) is taken as a later
-    one: only a report known to be the last word counts as a failure."""
+    """Hang reports below error severity that name the ranks the others wait for
+    (``culprit_rank``, or several in ``missing_ranks``) and that no step line is known to follow:
+    on no rank a later step by time, nor a step further in the same file. A step line that cannot
+    be placed (another file, no times) is taken as a later one: only a report known to be the
+    last word counts as a failure."""
     out = []
     for a in aggs.values():
         ev = a.first
-        if ev.category != "hang" or not isinstance(ev.fields.get("culprit_rank"), int):
+        named = ev.fields.get("missing_ranks")
+        if ev.category != "hang" or not (
+            isinstance(ev.fields.get("culprit_rank"), int) or named.__class__ is str and named
+        ):
             continue
         if SEVERITIES.index(ev.severity or "info") >= ERROR:
             continue  # an error already is a failure
