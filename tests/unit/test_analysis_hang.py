@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from denpex_agent.rules import RuleSet
 from denpexd.analysis.hang import HANG_RULE, hang_suspect, stopped_rank
-from denpexd.analysis.story import Candidate
+from denpexd.analysis.story import ABSENT_CONFIDENCE, ABSENT_RULE, Candidate, rank_candidates
 from denpexd.analysis.tracks import Aggregate, Aggregates, NodeProgress, RankTrack, Tracks
 from tests.unit.test_engine import T0, ev
 
@@ -63,6 +63,21 @@ def test_the_rank_absent_from_the_timeouts_is_the_suspect(unit_rules: RuleSet) -
     tracks = _tracks(unit_rules, {r: 5 for r in range(4)})  # same last step everywhere
     suspects, tied = hang_suspect(_timeouts(unit_rules, [1, 2, 3]), tracks, _same)
     assert tied == 1 and [c.rank for c in suspects] == [0]
+
+
+def test_a_rank_never_heard_from_is_a_weak_suspect(unit_rules: RuleSet) -> None:
+    """Ranks 1-3 time out alike and rank 0 never appears: rank 0 is the suspect, under its own
+    conclusion and at most half sure (a post or a collector may simply have lost its lines)."""
+    tracks = _tracks(unit_rules, {r: 5 for r in (1, 2, 3)})
+    suspects, tied = hang_suspect(_timeouts(unit_rules, [1, 2, 3]), tracks, _same)
+    assert tied == 1 and [(c.rank, c.rule, c.kind) for c in suspects] == [(0, ABSENT_RULE, "hang")]
+    ((lead, confidence),) = rank_candidates(suspects, {}, tied)
+    assert lead.rank == 0 and confidence == ABSENT_CONFIDENCE == 0.5
+    # a rank seen stopping earlier stays fully trusted
+    seen, tied = hang_suspect(
+        _timeouts(unit_rules, [0, 2, 3]), _tracks(unit_rules, {0: 10, 1: 7, 2: 10, 3: 10}), _same
+    )
+    assert [(c.rule, conf) for c, conf in rank_candidates(seen, {}, tied)] == [(HANG_RULE, 1.0)]
 
 
 def _node_fault(node: str) -> Candidate:

@@ -144,9 +144,10 @@ def test_rule_file_self_test(rule_file: Path) -> None:
 
 def test_every_inferred_diagnosis_is_explained() -> None:
     """Hang, killed and straggler diagnoses carry why / fix / verify like every matched rule."""
+    from denpexd.analysis.story import ABSENT_RULE
     from denpexd.engine import HANG_RULE, KILLED_RULE, STRAGGLER_RULE
 
-    for rid in (HANG_RULE, KILLED_RULE, STRAGGLER_RULE):
+    for rid in (HANG_RULE, ABSENT_RULE, KILLED_RULE, STRAGGLER_RULE):
         found = RULES.explanation(rid)
         assert found is not None, rid
         assert found.root_cause and found.fix and found.verify, rid

@@ -23,7 +23,7 @@ import math
 from collections.abc import Iterable
 
 from denpex_agent.rules import SEVERITIES
-from denpexd.analysis.story import MAX_CANDIDATES_SHOWN, Candidate, names_culprit
+from denpexd.analysis.story import ABSENT_RULE, MAX_CANDIDATES_SHOWN, Candidate, names_culprit
 from denpexd.analysis.tracks import Aggregate, Aggregates, Aligned, RankTrack, Tracks
 
 HANG_RULE = "hang-rank-stopped-progress"
@@ -167,8 +167,9 @@ def _absent(ranks: list[RankTrack], loud: set[tuple[str, int]]) -> tuple[list[Ca
     """Every rank we know waits alike. Ranks are numbered from 0 without gaps, so the numbers
     missing below the highest one are ranks that were never heard from: absent from the collective
     the others wait in, they are the suspects, when they are few next to those waiting (at most
-    half as many: a log that shows one waiter of many names nobody). Else no suspect (a guess is
-    not an answer)."""
+    half as many: a log that shows one waiter of many names nobody), under `ABSENT_RULE`: trusted
+    less than a rank seen stopping, since their lines may only be missing. Else no suspect (a
+    guess is not an answer)."""
     known = {t.rank for t in ranks if t.rank is not None}
     missing = sorted(set(range(max(known) + 1)) - known) if known else []
     waiting = len(loud)
@@ -176,7 +177,7 @@ def _absent(ranks: list[RankTrack], loud: set[tuple[str, int]]) -> tuple[list[Ca
         return [], 0
     node = _only_node(ranks)
     return [
-        Candidate(node, r, HANG_RULE, "hang", None, None, None, "hang")
+        Candidate(node, r, ABSENT_RULE, "hang", None, None, None, "hang")
         for r in missing[:MAX_CANDIDATES_SHOWN]
     ], len(missing)
 

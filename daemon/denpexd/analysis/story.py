@@ -54,6 +54,10 @@ LAUNCHER_FRAME = re.compile(
     r"|accelerate/commands/)"
 )
 KILLED_RULE = "torchrun-worker-sigkill"
+# A hang suspect known only by its absence from the logs (`hang._absent`), trusted at most
+# ABSENT_CONFIDENCE: its lines may just be missing.
+ABSENT_RULE = "hang-rank-never-heard-from"
+ABSENT_CONFIDENCE = 0.5
 WITNESS_RULE = "launcher-worker-failed-first"
 MAX_CANDIDATES_SHOWN = 64  # candidates listed in a diagnosis (best first)
 # The most a rank named by a vocabulary fallback alone (a WARN line in the training code's own
@@ -242,6 +246,8 @@ def rank_candidates(
     first = ordered[0]
     if first.kind == "hang":
         share = 1.0 / max(len(ordered), tied)
+        if first.rule == ABSENT_RULE:
+            share = min(share, ABSENT_CONFIDENCE)  # absence from a log is weak evidence
         return [(c, share) for c in ordered]
     weights = []
     for c in ordered:
