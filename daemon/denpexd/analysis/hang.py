@@ -141,7 +141,7 @@ def unresolved_stalls(aggs: Aggregates, tracks: Tracks) -> list[Aggregate]:
         ev = a.first
         named = ev.fields.get("missing_ranks")
         if ev.category != "hang" or not (
-            isinstance(ev.fields.get("culprit_rank"), int) or named.__class__ is str and named
+            isinstance(ev.fields.get("culprit_rank"), int) or (named.__class__ is str and named)
         ):
             continue
         if SEVERITIES.index(ev.severity or "info") >= ERROR:
