@@ -745,7 +745,9 @@ class LineScanner:
         """A stall report's heading line and the lines that list its ranks (``Stalled ops:``,
         ``Stalled ranks:``, ``N: [ops]``, ops with ``[ready ranks: ...]``/``[missing ranks: ...]``):
         the block's end and the ranks it says are missing (`stall_culprit`). The report ends at
-        the first other line (the next report's heading included); one cut off waits for more."""
+        the first other line (the next report's heading included); one cut off waits for more,
+        also while the file is quiet (a pause between the listing's lines says nothing of its
+        end: only another line, the end of input or the fold timeout closes it)."""
         lines = [hit.line]
         block_end = hit.end
         closed = False
@@ -766,7 +768,7 @@ class LineScanner:
             count += 1
             pos = end + 1
         else:
-            closed = mode != MORE or count >= MAX_FOLD_LINES or cut - hit.start > MAX_CARRY
+            closed = mode == FINAL or count >= MAX_FOLD_LINES or cut - hit.start > MAX_CARRY
         if not closed:
             return None
         return block_end, stall_fields(lines)

@@ -155,6 +155,30 @@ def test_the_report_does_not_depend_on_read_sizes(library: RuleSet, sizes: list[
     assert [f["culprit_rank"] for _, _, f in whole] == [6, 0]
 
 
+TWO_MISSING = STALLED_RANKS + "[1,0]<stderr>:1: [horovod_allreduce.7]\n" + "step 2 | loss 2.0\n"
+
+
+@given(st.lists(st.integers(min_value=1, max_value=97), min_size=1, max_size=12))
+@settings(max_examples=60, deadline=None)
+def test_a_quiet_spell_inside_the_listing_does_not_cut_it(library: RuleSet, sizes: list[int]) -> None:
+    """The file going quiet between the listing's lines (the agent's flush) is no end of the
+    report: the event is the one a whole read gives, whatever the reads and the pauses."""
+    matcher = Matcher(library)
+    data = TWO_MISSING.encode()
+    whole = [(e.offset, e.fields) for e in _scan(matcher, data) if e.kind == "match"]
+    assert whole == [(0, {"missing_ranks": "1, 6"})]
+    sc = LineScanner(matcher, _source())
+    got: list[Event] = []
+    pos, i = 0, 0
+    while pos < len(data):
+        got += sc.feed(data[pos : pos + sizes[i % len(sizes)]])
+        got += sc.flush()  # quiet after every read
+        pos += sizes[i % len(sizes)]
+        i += 1
+    got += sc.finish()
+    assert [(e.offset, e.fields) for e in got if e.kind == "match"] == whole
+
+
 def test_a_report_whose_listing_has_not_arrived_waits_for_it(matcher: Matcher) -> None:
     sc = LineScanner(matcher, _source())
     head, rest = STALLED_RANKS.split("\n", 1)
