@@ -188,6 +188,7 @@ FAMILY_RULES = (
     "argparse-usage-error",
     "mpspawn-worker-sigkill",
     "launcher-worker-died-on-signal",
+    "rendezvous-host-not-found",
     "ray-worker-died",
     "mpspawn-worker-exit",
     # rules that reached three sources
