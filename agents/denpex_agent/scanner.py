@@ -788,7 +788,9 @@ class LineScanner:
         if rank is None and local_rank is None and hit.rule.fold == "python-traceback":
             spawned = self._spawned_worker(buf, hit.start)
             if spawned is not None and "local_rank" not in fields:
-                fields["local_rank"] = spawned
+                # the worker's own traceback, as its parent relays it: that worker's local rank
+                # (also the event's, so it is not merged with the parent's traceback of the file)
+                fields["local_rank"] = local_rank = spawned
         if rank is None:
             named_local = local_rank if local_rank is not None else fields.get("local_rank")
             if isinstance(named_local, int):

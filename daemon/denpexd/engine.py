@@ -382,7 +382,9 @@ class Engine:
         nodes = self.nodes()
         clocks = self.clocks(nodes)
         given = pid_ranks(self.unranked, self.worker_pids, self.tracks, nodes) if self.worker_pids else None
-        aggs, tracks = ranks.resolved(self.aggs, self.unranked, self.tracks, self.unranked_tracks, given)
+        aggs, tracks = ranks.resolved(
+            self.aggs, self.unranked, self.tracks, self.unranked_tracks, given, nodes
+        )
         aggs = _unechoed(aggs)
 
         def aligned(node: str, ts: float | None) -> float | None:

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import datetime
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -149,7 +150,24 @@ def test_a_spawned_workers_traceback_takes_the_process_index_as_its_local_rank(
     parent = 'Traceback (most recent call last):\n  File "train_net.py", line 9, in <module>\n'
     events = [e for e in _scan(unit_matcher, (parent + report).encode()) if e.kind == "match"]
     assert [e.fields.get("local_rank") for e in events] == [None, index]  # the parent's, the worker's
+    assert [e.local_rank for e in events] == [None, index]  # not one aggregate with the parent's
     assert "ValueError: bad batch" in events[1].text
+
+
+def test_a_spawned_worker_cut_off_in_a_single_node_job_is_named(library: RuleSet) -> None:
+    """The parent's traceback comes first in the file; the worker's (its exception line lost)
+    follows the spawn header. Both name no global rank, and the job has one node: the worker's
+    local rank is its rank, and it is the one that failed."""
+    from denpexd.diagnosecmd import diagnose_paths
+
+    report = SPAWN_REPORTS[1][0].replace("ValueError: bad batch\n", "")
+    text = 'Traceback (most recent call last):\n  File "train_net.py", line 9, in <module>\n' + report
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp, "node0")
+        path.mkdir()
+        (path / "console.log").write_text(text)
+        doc = diagnose_paths([tmp], job="spawn", rules=library, context_lines=0)
+    assert doc["verdict"] == "failed" and doc["initiator"]["rank"] == 2
 
 
 def test_a_traceback_after_other_lines_names_no_spawned_worker(unit_matcher: Matcher) -> None:

@@ -89,12 +89,16 @@ def resolved(
     tracks: Tracks,
     unranked_tracks: dict[tuple[str, str, int | None], RankTrack],
     given: dict[tuple[str, str, int | None, str], int] | None = None,
+    nodes: list[str] | None = None,
 ) -> tuple[Aggregates, Tracks]:
     """Aggregates and tracks with the unranked ones given their rank (new objects where
     anything merges; the inputs are never changed). ``given``: ranks already known for some
-    unranked aggregates (a worker's pid, `analysis.workers`), taken before the votes."""
+    unranked aggregates (a worker's pid, `analysis.workers`), taken before the votes. In a
+    single-node job (``nodes``) whose logs name no global rank at all, a local rank is the
+    global one."""
     if unranked:
         aggs = dict(aggs)
+        alone = nodes is not None and len(nodes) == 1 and not any(r is not None for (_n, r) in tracks)
         for ukey, ua in sorted(
             unranked.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2] or -1, kv[0][3])
         ):
@@ -102,6 +106,8 @@ def resolved(
             rank = given.get(ukey) if given else None
             if rank is None:
                 rank = resolve_rank(node, file, local, tracks)
+            if rank is None and local is not None and alone:
+                rank = local
             key = (node, rank, rule)
             cur = aggs.get(key)
             aggs[key] = ua if cur is None else cur.merged(ua)
