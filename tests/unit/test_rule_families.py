@@ -189,6 +189,7 @@ FAMILY_RULES = (
     "mpspawn-worker-sigkill",
     "launcher-worker-died-on-signal",
     "rendezvous-host-not-found",
+    "parallel-size-not-divisible",
     "ray-worker-died",
     "mpspawn-worker-exit",
     # rules that reached three sources
