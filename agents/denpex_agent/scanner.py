@@ -194,7 +194,7 @@ class _NcclHost:
     that never stated its rank is ``dev + offset`` when two or more of its host agree on one."""
 
     size: int = 0
-    offsets: dict[int, int] = field(default_factory=dict)  # pid -> rank - dev
+    offsets: dict[int, int | None] = field(default_factory=dict)  # pid -> rank - dev (None: several)
     history: list[tuple[int, int | None]] = field(default_factory=list)
 
     def decided(self) -> int | None:
@@ -989,9 +989,8 @@ class LineScanner:
         if size > host.size:
             host.size, host.offsets = size, {}
         pid = key[1]
-        if host.offsets.get(pid, offset) != offset:
-            offset = -(1 << 30)  # disagrees with itself: no single offset holds on this host
-        host.offsets[pid] = offset
+        # a process that disagrees with itself holds None: no single offset holds on this host
+        host.offsets[pid] = offset if host.offsets.get(pid, offset) == offset else None
         decided = host.decided()
         if not host.history or host.history[-1][1] != decided:
             host.history.append((at, decided))
